@@ -1,0 +1,55 @@
+# One entry point per task; every target sets up .venv by itself on a fresh machine.
+# Variables, used the same way by every target:
+#   GRID  grid file            (default grids/table1.yaml)
+#   SCALE tiny | small | paper (default tiny)
+#   SEEDS number of seeds      (default: the grid's own)
+#   ROWS  comma-separated row ids (default: all)
+#   FORCE 1 retrains finished cells
+GRID  ?= grids/table1.yaml
+SCALE ?= tiny
+SEEDS ?=
+ROWS  ?=
+FORCE ?=
+PORT  ?= 5000
+# A CPU build of torch here; any CUDA build >= 2.4 works elsewhere (TORCH_SPEC="torch" or preinstalled).
+TORCH_SPEC ?= torch==2.13.0
+PYTHON ?= python3
+
+VENV := .venv
+PY   := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+ARGS := --grid $(GRID) --scale $(SCALE) $(if $(SEEDS),--seeds $(SEEDS)) $(if $(ROWS),--rows $(ROWS)) $(if $(FORCE),--force)
+
+.PHONY: setup sweep tables params bench ui test lint clean
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+sweep: $(STAMP)
+	$(PY) -m sweep.cli sweep $(ARGS)
+
+tables: $(STAMP)
+	$(PY) -m sweep.cli tables $(ARGS)
+
+params: $(STAMP)
+	$(PY) -m sweep.cli params $(ARGS)
+
+bench: $(STAMP)
+	$(PY) -m sweep.bench --scale $(SCALE)
+
+ui: $(STAMP)
+	$(VENV)/bin/mlflow ui --backend-store-uri "$${MLFLOW_TRACKING_URI:-sqlite:///results/mlflow.db}" --host 127.0.0.1 --port $(PORT)
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) .cache results/mlflow.db results/mlartifacts results/runs

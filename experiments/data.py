@@ -1,0 +1,100 @@
+"""Token windows over the corpus memmaps, and the LightningDataModule that serves them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from experiments.config import DataConfig, TrainConfig
+from experiments.corpus import Corpus, build_corpus
+
+
+class RandomWindows(Dataset):
+    """``n_samples`` training windows of ``seq_len + 1`` tokens at seeded random offsets.
+
+    Item ``i`` is fixed by (seed, i), so the data order is reproducible and a run that resumes at
+    batch ``k`` sees the same batches as one that never stopped.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, n_samples: int, seed: int) -> None:
+        if len(tokens) <= seq_len + 1:
+            raise ValueError(f"{len(tokens)} training tokens cannot fill one window of {seq_len + 1}")
+        self.tokens, self.seq_len = tokens, seq_len
+        self.starts = np.random.default_rng(seed).integers(0, len(tokens) - seq_len - 1, size=n_samples)
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        s = int(self.starts[i])
+        return torch.from_numpy(self.tokens[s : s + self.seq_len + 1].astype(np.int64))  # (seq_len + 1,)
+
+
+class HeldOutWindows(Dataset):
+    """Contiguous, non-overlapping windows over the first ``max_tokens`` held-out tokens.
+
+    Consecutive windows overlap by one token so every held-out token after the first is predicted
+    exactly once; the same tokens for every run of a corpus.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, max_tokens: int) -> None:
+        n = min(len(tokens), max_tokens)
+        if n < seq_len + 1:
+            raise ValueError(f"held-out split has {n} tokens, fewer than one window of {seq_len + 1}")
+        self.tokens, self.seq_len = tokens, seq_len
+        self.starts = list(range(0, n - seq_len, seq_len))  # window [s, s + seq_len] fits in n
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        s = self.starts[i]
+        return torch.from_numpy(self.tokens[s : s + self.seq_len + 1].astype(np.int64))
+
+
+class CorpusDataModule(pl.LightningDataModule):
+    """Training windows from the train split; one validation loader per domain (sorted names).
+
+    Args:
+        data: the corpus recipe; built (or found in the cache) in ``prepare_data``.
+        train: batch size, sequence length, steps and held-out token budget.
+        seed: seeds the training window offsets.
+        cache_root: where corpora are cached (``experiments.corpus.default_cache_root()`` if None).
+    """
+
+    def __init__(
+        self, data: DataConfig, train: TrainConfig, seed: int, cache_root: Path | None = None
+    ) -> None:
+        super().__init__()
+        self.data_cfg, self.train_cfg, self.seed, self.cache_root = data, train, seed, cache_root
+        self.corpus: Corpus | None = None
+
+    def prepare_data(self) -> None:
+        build_corpus(self.data_cfg, self.cache_root)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.corpus is None:
+            self.corpus = build_corpus(self.data_cfg, self.cache_root, log=lambda _msg: None)
+
+    @property
+    def domains(self) -> list[str]:
+        self.setup()
+        return self.corpus.domains
+
+    def train_dataloader(self) -> DataLoader:
+        t = self.train_cfg
+        ds = RandomWindows(self.corpus.tokens("train"), t.seq_len, t.max_steps * t.batch_size, self.seed)
+        return DataLoader(ds, batch_size=t.batch_size, shuffle=False, num_workers=0, drop_last=True)
+
+    def val_dataloader(self) -> list[DataLoader]:
+        t = self.train_cfg
+        return [
+            DataLoader(
+                HeldOutWindows(self.corpus.tokens("val", d), t.seq_len, t.val_tokens), batch_size=t.batch_size
+            )
+            for d in self.corpus.domains
+        ]

@@ -1,0 +1,121 @@
+"""The LightningModule: next-token loss, AdamW, warmup + cosine decay, per-domain validation PPL."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from experiments.config import RunConfig, TrainConfig
+from experiments.model import GatedLM, count_parameters
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate at optimiser step ``step`` (0-based), Section 2.2.
+
+    Linear warmup to ``max_lr`` over ``warmup_steps`` (step 0 already takes a warm-up step's
+    share, so no step is wasted at LR 0), then cosine decay to ``min_lr`` at ``max_steps``.
+    """
+    if step < cfg.warmup_steps:
+        return cfg.max_lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    return cfg.min_lr + 0.5 * (cfg.max_lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def auto_precision(requested: str) -> str:
+    """``bf16-mixed`` on CUDA, ``32-true`` on CPU, unless the config names one."""
+    if requested != "auto":
+        return requested
+    return "bf16-mixed" if torch.cuda.is_available() else "32-true"
+
+
+class LMModule(pl.LightningModule):
+    """Trains :class:`GatedLM` on next-token prediction.
+
+    Logs ``train/loss``, ``train/lr``, ``train/grad_norm`` (before clipping) and
+    ``train/tokens_per_s`` every ``train.log_every`` steps; after each validation,
+    ``val/ppl/<domain>``, ``val/ppl/avg`` (the mean of the domain PPLs, the paper's "Avg PPL")
+    and ``val/loss`` (token-weighted mean NLL in nats). The last validation's figures stay in
+    ``self.last_val``.
+
+    Args:
+        cfg: the run configuration.
+        domains: validation domain names, in the order of the validation dataloaders.
+    """
+
+    def __init__(self, cfg: RunConfig, domains: list[str]) -> None:
+        super().__init__()
+        self.cfg, self.domains = cfg, list(domains)
+        self.model = GatedLM(cfg.model)
+        self.n_params = count_parameters(self.model)
+        self.last_val: dict[str, float] = {}
+        self.last_val_step = -1
+        self._nll_sum = torch.zeros(len(self.domains), dtype=torch.float64)
+        self._tok_count = torch.zeros(len(self.domains), dtype=torch.float64)
+        self._step_clock: float | None = None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, T) token ids -> (B, T, V) logits."""
+        return self.model(tokens)
+
+    def _loss(self, batch: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        logits = self.model(batch[:, :-1])
+        return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction=reduction)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train/loss", loss, on_step=True, prog_bar=False, logger=True)
+        self.log("train/lr", self.lr_schedulers().get_last_lr()[0], on_step=True, logger=True)
+        return loss
+
+    def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> None:
+        if self._step_clock is None:
+            self._step_clock = time.perf_counter()
+
+    def on_train_batch_end(self, outputs, batch: torch.Tensor, batch_idx: int) -> None:
+        now = time.perf_counter()
+        seconds, self._step_clock = now - self._step_clock, now
+        self.log("train/tokens_per_s", batch[:, 1:].numel() / max(seconds, 1e-9), on_step=True, logger=True)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        norms = [p.grad.detach().norm() for p in self.model.parameters() if p.grad is not None]
+        self.log("train/grad_norm", torch.stack(norms).norm(), on_step=True, logger=True)
+
+    def on_validation_epoch_start(self) -> None:
+        self._nll_sum.zero_()
+        self._tok_count.zero_()
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int, dataloader_idx: int = 0) -> None:
+        nll = self._loss(batch, reduction="sum")
+        self._nll_sum[dataloader_idx] += nll.item()
+        self._tok_count[dataloader_idx] += batch[:, 1:].numel()
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking:
+            return
+        mean_nll = self._nll_sum / self._tok_count.clamp(min=1)
+        ppl = {d: math.exp(v) for d, v in zip(self.domains, mean_nll.tolist())}
+        figures = {f"val/ppl/{d}": p for d, p in ppl.items()}
+        figures["val/ppl/avg"] = sum(ppl.values()) / len(ppl)
+        figures["val/loss"] = float(self._nll_sum.sum() / self._tok_count.sum())
+        self.last_val, self.last_val_step = figures, self.global_step
+        for key, value in figures.items():
+            self.log(key, value, logger=True)
+
+    def configure_optimizers(self):
+        t = self.cfg.train
+        # Decay only projection and embedding matrices; norm gains and static gate logits keep theirs.
+        matrices = {id(m.weight) for m in self.model.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+        decay = [p for p in self.model.parameters() if id(p) in matrices]
+        no_decay = [p for p in self.model.parameters() if id(p) not in matrices]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=t.max_lr,
+            betas=(t.beta1, t.beta2),
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, t) / t.max_lr)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,170 @@
+"""Decoder-only LM of the paper's shape (Table 7): pre-RMSNorm, RoPE, GQA, qk-norm, SwiGLU.
+
+Shape legend: B batch, T tokens, d ``d_model``, H query heads, K key/value heads, D ``head_dim``,
+V vocabulary. The training path uses ``torch.nn.functional.scaled_dot_product_attention``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from experiments.config import ModelConfig
+from experiments.gating import AttentionGate, gate_projection_width
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE tables (rotate-half form) for positions ``0 .. max_seq_len - 1``."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)  # (T, D/2)
+        self.register_buffer("cos", torch.cat([angles.cos()] * 2, dim=-1), persistent=False)  # (T, D)
+        self.register_buffer("sin", torch.cat([angles.sin()] * 2, dim=-1), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` of shape (B, T, heads, D) by its positions."""
+        t = x.shape[1]
+        cos, sin = self.cos[:t, None, :].to(x.dtype), self.sin[:t, None, :].to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """GQA self-attention with one optional gate.
+
+    The q, k, v and gate projections are one fused ``in_proj`` matmul whose output columns are
+    ``[q (H*D) | k (K*D) | v (K*D) | gate (H_g*W)]``; the gate reads the same pre-normed input
+    as the projections (paper footnote 1).
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.gate = AttentionGate(cfg.gate, cfg) if cfg.gate is not None else None
+        self.gate_position = cfg.gate.position if cfg.gate is not None else None
+        self.split_sizes = [q_dim, kv_dim, kv_dim, gate_projection_width(cfg.gate, cfg)]
+        self.in_proj = nn.Linear(cfg.d_model, sum(self.split_sizes), bias=False)
+        self.o_proj = nn.Linear(q_dim, cfg.d_model, bias=False)
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        #: Probe mode: compute attention with an explicit softmax and keep the probabilities.
+        self.keep_attention = False
+        self.last_attention: torch.Tensor | None = None  # (B, H, T, T) in probe mode
+
+    def _gated(self, position: str, y: torch.Tensor, gate_logits: torch.Tensor | None) -> torch.Tensor:
+        return self.gate(y, gate_logits) if position == self.gate_position else y
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
+        """(B, T, d) pre-normed hidden state -> (B, T, d) attention output."""
+        b, t, _ = x.shape
+        q, k, v, g = self.in_proj(x).split(self.split_sizes, dim=-1)
+        g = g if g.shape[-1] else None
+        q = self._gated("query", q.view(b, t, self.n_heads, self.head_dim), g)  # G4
+        k = self._gated("key", k.view(b, t, self.n_kv_heads, self.head_dim), g)  # G3
+        v = self._gated("value", v.view(b, t, self.n_kv_heads, self.head_dim), g)  # G2
+        q, k = rope(self.q_norm(q)), rope(self.k_norm(k))
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (B, heads, T, D)
+        if self.keep_attention:
+            y = self._explicit_attention(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        y = self._gated("sdpa", y.transpose(1, 2), g)  # G1: (B, T, H, D)
+        out = self.o_proj(y.reshape(b, t, -1))
+        if self.gate_position == "dense":  # G5 after W_O
+            out = self.gate(out.view(b, t, 1, -1), g).view(b, t, -1)
+        return out
+
+    def _explicit_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Softmax attention with the probabilities kept in ``last_attention`` (probe mode only)."""
+        groups = self.n_heads // self.n_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        t = q.shape[2]
+        logits = (q @ k.transpose(-1, -2)) * self.head_dim**-0.5
+        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        probs = logits.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+        self.last_attention = probs.detach()
+        return probs @ v
+
+
+class SwiGLU(nn.Module):
+    """SwiGLU FFN: ``W_down(silu(x W_gate) * x W_up)``, gate and up fused in one matmul."""
+
+    def __init__(self, d_model: int, ffn_dim: int) -> None:
+        super().__init__()
+        self.ffn_dim = ffn_dim
+        self.gate_up = nn.Linear(d_model, 2 * ffn_dim, bias=False)
+        self.down = nn.Linear(ffn_dim, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, d) -> (B, T, d)."""
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block: ``x + attn(norm(x))`` then ``x + ffn(norm(x))``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.ffn = SwiGLU(cfg.d_model, cfg.effective_ffn_dim())
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
+        """(B, T, d) residual stream in and out."""
+        x = x + self.attn(self.attn_norm(x), rope)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class GatedLM(nn.Module):
+    """The language model. ``forward(tokens (B, T) int64) -> logits (B, T, V)``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        #: Probe mode: ``forward`` keeps each block's residual-stream output here.
+        self.keep_hidden = False
+        self.hidden_states: list[torch.Tensor] = []
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # Qwen3 init: N(0, initializer_range) for every linear and embedding; gate rows included.
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, T) token ids -> (B, T, V) next-token logits."""
+        if tokens.shape[1] > self.cfg.max_seq_len:
+            raise ValueError(
+                f"sequence of {tokens.shape[1]} tokens exceeds max_seq_len={self.cfg.max_seq_len}"
+            )
+        x = self.embed(tokens)
+        self.hidden_states = []
+        for block in self.blocks:
+            x = block(x, self.rope)
+            if self.keep_hidden:
+                self.hidden_states.append(x.detach())
+        return self.lm_head(self.norm(x))
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Distinct parameters (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """Total parameters of ``GatedLM(cfg)``, built on the meta device (no memory allocated)."""
+    with torch.device("meta"):
+        return count_parameters(GatedLM(cfg))

@@ -1,0 +1,100 @@
+"""The one entry point the Makefile calls: ``python -m sweep.cli {sweep,tables,params} ...``.
+
+Exit status: 0 on success, 1 when a cell failed, 2 on bad input (grid, store, results folder,
+corpus) with a one-line message and nothing started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from experiments.corpus import CorpusError
+from sweep.grid import GridError, load_grid
+from sweep.tracking import TrackingError
+
+
+class UsageError(RuntimeError):
+    """Bad input that is not in a grid file (a results folder, say)."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sweep", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, text in (
+        ("sweep", "train every unfinished cell, then write the tables"),
+        ("tables", "write results/<grid>.{md,csv,tex} from the tracking store"),
+        ("params", "print total and added parameters per row (meta device, no training)"),
+    ):
+        s = sub.add_parser(name, help=text)
+        s.add_argument("--grid", default="grids/table1.yaml", help="grid YAML file")
+        s.add_argument("--scale", default="tiny", help="scale profile of the grid")
+        s.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default: the grid's)")
+        s.add_argument("--rows", default=None, help="comma-separated row ids (default: all)")
+        s.add_argument("--force", action="store_true", help="retrain cells that already finished")
+        s.add_argument("--results", default="results", help="results folder (store, tables)")
+    return p
+
+
+def _writable(results: Path) -> None:
+    try:
+        results.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=results):
+            pass
+    except OSError as err:
+        raise UsageError(f"{results}: results folder is not writable ({err.strerror})") from None
+
+
+def _command_line() -> str:
+    return "python -m sweep.cli " + shlex.join(sys.argv[1:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.seeds is not None and args.seeds < 1:
+        print("error: --seeds must be at least 1", file=sys.stderr)
+        return 2
+    seeds = list(range(args.seeds)) if args.seeds else None
+    rows = [r for r in args.rows.split(",") if r] if args.rows else None
+    results = Path(args.results)
+    try:
+        grid = load_grid(args.grid)
+        cells = grid.cells(args.scale, seeds=seeds, rows=rows)
+        if args.command == "params":
+            from sweep.report import params_table
+
+            print(f"{grid.title} - parameters at scale '{args.scale}' (meta device)")
+            print(params_table(grid, args.scale).to_markdown(index=False, disable_numparse=True))
+            return 0
+        _writable(results)
+        from sweep.report import write_tables
+
+        if args.command == "tables":
+            paths = write_tables(grid, args.scale, results, _command_line())
+            print(f"wrote {', '.join(map(str, paths.values()))}")
+            return 0
+        from sweep.runner import FAILED, run_sweep, summary_line
+
+        started = time.perf_counter()
+        cache = Path(os.environ["GATED_ATTN_CACHE"]) if os.environ.get("GATED_ATTN_CACHE") else None
+        outcomes = run_sweep(grid, cells, results, force=args.force, cache_root=cache)
+        paths = write_tables(grid, args.scale, results, _command_line())
+        minutes = (time.perf_counter() - started) / 60
+        print(f"sweep finished in {minutes:.1f} min: {summary_line(outcomes)}")
+        for o in outcomes:
+            if o.status == FAILED:
+                print(f"  failed: {o.cell.row.id} seed {o.cell.seed}: {o.note}")
+        print(f"table: {paths['md']} (also .csv, .tex); browse the runs with: make ui")
+        return 1 if any(o.status == FAILED for o in outcomes) else 0
+    except (GridError, TrackingError, CorpusError, UsageError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

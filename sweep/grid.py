@@ -1,0 +1,323 @@
+"""YAML grid -> validated cells (row x seed), each a :class:`RunConfig` with a stable ``run_key``.
+
+A grid holds ``base`` (model / train / data), named ``scales`` that resize the base, and
+``rows`` that override it. A row value ``x2`` or ``x1.5`` means "the scale's value times that",
+so one row list serves every scale (``n_kv_heads: x2`` is Table 1's k = 8 at the paper's size).
+Precedence: dataclass defaults < base < scale < row.
+
+Everything is checked before any training; a problem raises :class:`GridError`, whose message
+is one line naming the file, the row and the key path.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from experiments import SUPPORTED_FEATURES
+from experiments.config import ConfigError, RunConfig, from_dict, to_dict
+
+GRID_KEYS = {"name", "title", "paper_table", "baseline_row", "seeds", "base", "scales", "rows"}
+ROW_KEYS = {"id", "label", "paper_row", "requires", "model", "train", "data"}
+SECTION_KEYS = {"model", "train", "data"}
+KNOWN_FEATURES = {"dense", "moe"}
+_RELATIVE = re.compile(r"^x(\d+(?:\.\d+)?)$")
+_ROW_ID = re.compile(r"^[a-z0-9_]+$")
+
+
+class GridError(ValueError):
+    """A grid that cannot be run. ``str()`` is the one-line message for the user."""
+
+    def __init__(
+        self, file: str | Path, message: str, row: str | None = None, path: str | None = None
+    ) -> None:
+        self.file, self.row, self.path, self.message = str(file), row, path, message
+        where = [self.file] + ([f"row '{row}'"] if row else []) + ([path] if path else [])
+        super().__init__(": ".join(where + [message]))
+
+
+class _GridLoader(yaml.SafeLoader):
+    """SafeLoader that reads ``2e-3`` as a float (YAML 1.1 wants ``2.0e-3``)."""
+
+
+_GridLoader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_GridLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _reject_duplicate_keys(file: Path, node: yaml.Node, path: str, row: str | None) -> None:
+    """Walk the composed YAML tree; PyYAML would silently keep the last of two equal keys."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[Any, int] = {}
+        for key_node, value_node in node.value:
+            key = key_node.value
+            key_path = f"{path}.{key}" if path else key
+            if key in seen:
+                raise GridError(
+                    file,
+                    f"duplicate key '{key}' at line {key_node.start_mark.line + 1} "
+                    f"(first at line {seen[key] + 1})",
+                    row,
+                    key_path,
+                )
+            seen[key] = key_node.start_mark.line
+            _reject_duplicate_keys(file, value_node, key_path, row)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            item_row = row
+            if path == "rows" and isinstance(item, yaml.MappingNode):
+                ids = [v.value for k, v in item.value if k.value == "id" and isinstance(v, yaml.ScalarNode)]
+                item_row = ids[0] if ids else f"rows[{i}]"
+            _reject_duplicate_keys(file, item, "" if item_row != row else f"{path}[{i}]", item_row)
+
+
+def read_yaml(file: Path) -> Any:
+    """Parse a YAML file strictly: duplicate keys rejected, ``2e-3`` read as a float.
+
+    Raises:
+        GridError: unreadable file, malformed YAML (with its line), or a duplicate key.
+    """
+    try:
+        text = file.read_text()
+    except OSError as err:
+        raise GridError(file, f"cannot read: {err.strerror}") from None
+    loader = _GridLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            raise GridError(file, "is empty")
+        _reject_duplicate_keys(file, node, "", None)
+        return loader.construct_document(node)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        line = f"line {mark.line + 1}: " if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise GridError(file, f"malformed YAML: {line}{problem}") from None
+    finally:
+        loader.dispose()
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of a paper table: overrides of the base, and where the paper reports it."""
+
+    id: str
+    label: str
+    overrides: dict[str, Any]
+    paper_row: int | None = None
+    requires: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One trainable unit: a row at a scale with one seed."""
+
+    grid: str
+    scale: str
+    row: Row
+    seed: int
+    config: RunConfig
+    run_key: str
+    unsupported: str | None = None
+    """Why the cell cannot run with this code base (e.g. it needs the MoE base), else None."""
+
+
+@dataclass
+class Grid:
+    """A parsed grid file. ``cells()`` expands and validates one scale of it."""
+
+    file: Path
+    name: str
+    title: str
+    base: dict[str, Any]
+    scales: dict[str, dict[str, Any]]
+    rows: list[Row]
+    seeds: list[int]
+    baseline_row: str
+    paper_table: str | None = None
+
+    def row_ids(self) -> list[str]:
+        return [r.id for r in self.rows]
+
+    def resolve(self, scale: str, row: Row, seed: int) -> RunConfig:
+        """The row's RunConfig at ``scale`` for ``seed``. Raises GridError naming the key path."""
+        merged = _deep_merge(self.base, self.scales[scale], "", row=None, file=self.file)
+        merged = _deep_merge(merged, row.overrides, "", row=row.id, file=self.file)
+        merged["seed"] = seed
+        try:
+            return from_dict(RunConfig, merged)
+        except ConfigError as err:
+            raise GridError(self.file, err.message, row.id, err.path) from None
+
+    def cells(self, scale: str, seeds: list[int] | None = None, rows: list[str] | None = None) -> list[Cell]:
+        """Every (row, seed) cell of ``scale``, validated, in the grid's row order.
+
+        Raises:
+            GridError: unknown scale or row id, or any invalid cell.
+        """
+        if scale not in self.scales:
+            raise GridError(
+                self.file, f"unknown scale '{scale}'; defined: {', '.join(self.scales)}", path="scales"
+            )
+        chosen = self.rows
+        if rows:
+            unknown = [r for r in rows if r not in self.row_ids()]
+            if unknown:
+                raise GridError(
+                    self.file, f"unknown row id(s) {', '.join(unknown)}; known: {', '.join(self.row_ids())}"
+                )
+            chosen = [r for r in self.rows if r.id in rows]
+        out = []
+        for row in chosen:
+            missing = [f for f in row.requires if f not in SUPPORTED_FEATURES]
+            for seed in seeds if seeds is not None else self.seeds:
+                cfg = self.resolve(scale, row, seed)
+                why = f"needs the {'/'.join(missing)} base, not built yet" if missing else None
+                out.append(Cell(self.name, scale, row, seed, cfg, run_key(cfg), why))
+        return out
+
+    def baseline_config(self, scale: str) -> RunConfig:
+        """The baseline row's config at ``scale`` (seed 0): the reference of ``params/added``."""
+        row = next(r for r in self.rows if r.id == self.baseline_row)
+        return self.resolve(scale, row, 0)
+
+
+def run_key(cfg: RunConfig) -> str:
+    """16 hex chars of sha256 over the canonical JSON of the resolved config (seed included)."""
+    blob = json.dumps(to_dict(cfg), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _deep_merge(base: dict, over: dict, path: str, row: str | None, file: Path) -> dict:
+    """``base`` updated by ``over`` recursively; ``xN`` strings scale the base's number."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        key_path = f"{path}.{key}" if path else key
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value, key_path, row, file)
+        elif isinstance(value, str) and _RELATIVE.match(value):
+            out[key] = _scaled(out.get(key), float(_RELATIVE.match(value).group(1)), key_path, row, file)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _scaled(current: Any, factor: float, path: str, row: str | None, file: Path) -> int | float:
+    if isinstance(current, bool) or not isinstance(current, (int, float)):
+        raise GridError(
+            file, f"'x{factor:g}' needs a number set by base or scale, found {current!r}", row, path
+        )
+    value = current * factor
+    if isinstance(current, int):
+        if value != int(value):
+            raise GridError(
+                file, f"impossible shape: {current} x {factor:g} = {value:g} is not whole", row, path
+            )
+        return int(value)
+    return value
+
+
+def _require_mapping(file: Path, value: Any, path: str, row: str | None = None) -> dict:
+    if not isinstance(value, dict):
+        raise GridError(file, f"must be a mapping, got {type(value).__name__}", row, path)
+    return value
+
+
+def _parse_seeds(file: Path, value: Any) -> list[int]:
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return list(range(value))
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(s, int) and not isinstance(s, bool) for s in value)
+    ):
+        return list(value)
+    raise GridError(file, f"must be a positive count or a list of integers, got {value!r}", path="seeds")
+
+
+def _parse_row(file: Path, index: int, raw: Any, seen: set[str]) -> Row:
+    raw = _require_mapping(file, raw, f"rows[{index}]")
+    rid = raw.get("id")
+    if not isinstance(rid, str) or not _ROW_ID.match(rid):
+        raise GridError(file, f"needs an 'id' of [a-z0-9_], got {rid!r}", path=f"rows[{index}].id")
+    if rid in seen:
+        raise GridError(file, "duplicate row id", rid, "id")
+    seen.add(rid)
+    for key in raw:
+        if key not in ROW_KEYS:
+            raise GridError(file, f"unknown key; known row keys: {', '.join(sorted(ROW_KEYS))}", rid, key)
+    label = raw.get("label", rid)
+    if not isinstance(label, str):
+        raise GridError(file, "must be a string", rid, "label")
+    requires = raw.get("requires", [])
+    if not isinstance(requires, list) or any(f not in KNOWN_FEATURES for f in requires):
+        raise GridError(file, f"must be a list of {', '.join(sorted(KNOWN_FEATURES))}", rid, "requires")
+    paper_row = raw.get("paper_row")
+    if paper_row is not None and (isinstance(paper_row, bool) or not isinstance(paper_row, int)):
+        raise GridError(file, "must be an integer", rid, "paper_row")
+    overrides = {k: _require_mapping(file, raw[k], k, rid) for k in SECTION_KEYS if k in raw}
+    return Row(rid, label, overrides, paper_row, tuple(requires))
+
+
+def load_grid(file: str | Path) -> Grid:
+    """Parse and check a grid file (structure, row ids, every cell of every scale).
+
+    Raises:
+        GridError: with the file, row and key path of the first problem found.
+    """
+    file = Path(file)
+    raw = _require_mapping(file, read_yaml(file), "(top level)")
+    for key in raw:
+        if key not in GRID_KEYS:
+            raise GridError(file, f"unknown key; known keys: {', '.join(sorted(GRID_KEYS))}", path=key)
+    for key in ("name", "base", "scales", "rows"):
+        if key not in raw:
+            raise GridError(file, f"missing required key '{key}'", path=key)
+    base = _require_mapping(file, raw["base"], "base")
+    for section in base:
+        if section not in SECTION_KEYS:
+            raise GridError(
+                file, f"unknown key; known: {', '.join(sorted(SECTION_KEYS))}", path=f"base.{section}"
+            )
+    scales = _require_mapping(file, raw["scales"], "scales")
+    if not scales:
+        raise GridError(file, "defines no scale", path="scales")
+    for name, body in scales.items():
+        for section in _require_mapping(file, body or {}, f"scales.{name}"):
+            if section not in SECTION_KEYS:
+                raise GridError(
+                    file,
+                    f"unknown key; known: {', '.join(sorted(SECTION_KEYS))}",
+                    path=f"scales.{name}.{section}",
+                )
+    if not isinstance(raw["rows"], list) or not raw["rows"]:
+        raise GridError(file, "must be a non-empty list of rows", path="rows")
+    seen: set[str] = set()
+    rows = [_parse_row(file, i, r, seen) for i, r in enumerate(raw["rows"])]
+    baseline = raw.get("baseline_row", "baseline")
+    if baseline not in seen:
+        raise GridError(file, f"names no row of the grid: '{baseline}'", path="baseline_row")
+    grid = Grid(
+        file=file,
+        name=str(raw["name"]),
+        title=str(raw.get("title", raw["name"])),
+        base=base,
+        scales={k: v or {} for k, v in scales.items()},
+        rows=rows,
+        seeds=_parse_seeds(file, raw.get("seeds", 1)),
+        baseline_row=baseline,
+        paper_table=raw.get("paper_table"),
+    )
+    for scale in grid.scales:
+        grid.cells(scale)
+    return grid

@@ -1,0 +1,218 @@
+"""Tracking store -> pandas -> the paper's tables (Markdown, CSV, LaTeX), beside the paper's numbers.
+
+Each row of the grid becomes one table row in the grid's order. Several seeds give mean +- std
+(sample std); from three paired seeds on, the difference to the baseline gets a 95% t-interval
+over the per-seed differences. A row without a finished run shows as missing, never as zero.
+"""
+
+from __future__ import annotations
+
+import math
+from importlib import resources
+from pathlib import Path
+
+import pandas as pd
+from scipy import stats
+
+from experiments.model import parameter_count
+from sweep.grid import Grid
+from sweep.tracking import STATUS_FINISHED, Tracker, experiment_name, tracking_uri
+
+
+def paper_table(name: str | None) -> pd.DataFrame | None:
+    """The paper's own numbers (``sweep/paper/<name>.csv``), indexed by paper row, or None."""
+    if not name:
+        return None
+    with resources.files("sweep").joinpath(f"paper/{name}.csv").open() as fh:
+        return pd.read_csv(fh).set_index("row")
+
+
+def finished_runs(grid: Grid, scale: str, results_dir: Path) -> pd.DataFrame:
+    """One line per finished run: ``row``, ``seed`` and every ``val/*`` and ``params/*`` metric."""
+    tracker = Tracker(
+        tracking_uri(results_dir), experiment_name(grid.name, scale), results_dir / "mlartifacts"
+    )
+    runs = tracker.client.search_runs(
+        [tracker.experiment_id], filter_string=f"tags.status = '{STATUS_FINISHED}'"
+    )
+    records = [
+        {
+            "row": r.data.tags["row"],
+            "seed": int(r.data.tags["seed"]),
+            "run_id": r.info.run_id,
+            **r.data.metrics,
+        }
+        for r in runs
+    ]
+    return pd.DataFrame.from_records(records, columns=["row", "seed", "run_id"] if not records else None)
+
+
+def _mean_std(values: pd.Series) -> tuple[float, float]:
+    values = values.dropna()
+    if values.empty:
+        return math.nan, math.nan
+    return float(values.mean()), float(values.std(ddof=1)) if len(values) > 1 else math.nan
+
+
+def paired_delta(row: pd.Series, base: pd.Series) -> tuple[float, float, float, int]:
+    """Mean of per-seed differences ``row - base`` and its 95% t-interval (NaN below 3 pairs).
+
+    Args:
+        row, base: metric values indexed by seed.
+
+    Returns:
+        (mean difference, CI low, CI high, number of pairs).
+    """
+    pairs = pd.concat([row, base], axis=1, join="inner").dropna()
+    if pairs.empty:
+        return math.nan, math.nan, math.nan, 0
+    diff = pairs.iloc[:, 0] - pairs.iloc[:, 1]
+    n, mean = len(diff), float(diff.mean())
+    if n < 3:
+        return mean, math.nan, math.nan, n
+    half = float(stats.t.ppf(0.975, n - 1) * diff.std(ddof=1) / math.sqrt(n))
+    return mean, mean - half, mean + half, n
+
+
+def build_table(grid: Grid, scale: str, runs: pd.DataFrame) -> pd.DataFrame:
+    """The numeric table: one line per grid row, our figures beside the paper's."""
+    paper = paper_table(grid.paper_table)
+    domains = sorted(
+        c.removeprefix("val/ppl/") for c in runs.columns if c.startswith("val/ppl/") and c != "val/ppl/avg"
+    )
+    baseline_total = parameter_count(grid.baseline_config(scale).model)
+    by_row = {rid: g.set_index("seed") for rid, g in runs.groupby("row")} if len(runs) else {}
+    base_runs = by_row.get(grid.baseline_row)
+    paper_base = paper.loc[1, "avg_ppl"] if paper is not None and 1 in paper.index else math.nan
+    lines = []
+    for position, row in enumerate(grid.rows, start=1):
+        cell = grid.cells(scale, seeds=[0], rows=[row.id])[0]
+        line: dict[str, object] = {"row": row.paper_row or position, "id": row.id, "label": row.label}
+        line["added_params_m"] = (
+            math.nan if cell.unsupported else (parameter_count(cell.config.model) - baseline_total) / 1e6
+        )
+        mine = by_row.get(row.id)
+        for d in domains:
+            line[f"ppl_{d}"], line[f"ppl_{d}_std"] = (
+                _mean_std(mine[f"val/ppl/{d}"]) if mine is not None else (math.nan,) * 2
+            )
+        line["avg_ppl"], line["avg_ppl_std"] = (
+            _mean_std(mine["val/ppl/avg"]) if mine is not None else (math.nan,) * 2
+        )
+        line["n_seeds"] = 0 if mine is None else int(mine["val/ppl/avg"].notna().sum())
+        if mine is not None and base_runs is not None:
+            d, lo, hi, _ = paired_delta(mine["val/ppl/avg"], base_runs["val/ppl/avg"])
+        else:
+            d = lo = hi = math.nan
+        line["delta_avg_ppl"], line["delta_ci95_low"], line["delta_ci95_high"] = d, lo, hi
+        ref = paper.loc[row.paper_row] if paper is not None and row.paper_row in paper.index else None
+        line["paper_added_params_m"] = (
+            float(ref["added_params_m"]) if ref is not None and "added_params_m" in ref else math.nan
+        )
+        line["paper_avg_ppl"] = float(ref["avg_ppl"]) if ref is not None else math.nan
+        line["paper_delta"] = line["paper_avg_ppl"] - paper_base
+        line["status"] = cell.unsupported or ("ok" if mine is not None else "not run")
+        lines.append(line)
+    return pd.DataFrame(lines)
+
+
+def _fmt_params(millions: float) -> str:
+    """Three significant digits: 201, 1.57, 0.197, 0.0164 (M)."""
+    return "—" if math.isnan(millions) else f"{millions:.3g}"
+
+
+def _fmt(value: float, std: float = math.nan, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    text = f"{value:.{digits}f}"
+    return f"{text} ± {std:.{digits}f}" if not math.isnan(std) else text
+
+
+def _fmt_delta(d: float, lo: float, hi: float) -> str:
+    if math.isnan(d):
+        return "—"
+    return f"{d:+.3f}" + (f" [{lo:+.3f}, {hi:+.3f}]" if not math.isnan(lo) else "")
+
+
+def display_table(table: pd.DataFrame) -> pd.DataFrame:
+    """Human-readable strings for Markdown and LaTeX: missing cells are "—", never 0."""
+    domains = [
+        c.removeprefix("ppl_") for c in table.columns if c.startswith("ppl_") and not c.endswith("_std")
+    ]
+    out = pd.DataFrame({"#": table["row"], "Method": table["label"]})
+    out["Added Param (M)"] = [_fmt_params(v) for v in table["added_params_m"]]
+    for d in domains:
+        out[f"PPL {d}"] = [_fmt(v, s) for v, s in zip(table[f"ppl_{d}"], table[f"ppl_{d}_std"])]
+    out["Avg PPL"] = [_fmt(v, s) for v, s in zip(table["avg_ppl"], table["avg_ppl_std"])]
+    out["Δ Avg PPL"] = [
+        _fmt_delta(*v) for v in zip(table["delta_avg_ppl"], table["delta_ci95_low"], table["delta_ci95_high"])
+    ]
+    out["Seeds"] = table["n_seeds"]
+    out["Paper Added (M)"] = [_fmt_params(v) for v in table["paper_added_params_m"]]
+    out["Paper Avg PPL"] = [_fmt(v) for v in table["paper_avg_ppl"]]
+    out["Paper Δ"] = [_fmt_delta(v, math.nan, math.nan) for v in table["paper_delta"]]
+    out["Note"] = [s if s not in ("ok",) else "" for s in table["status"]]
+    return out
+
+
+def table_paths(grid: Grid, scale: str, results_dir: Path) -> dict[str, Path]:
+    """``results/<grid>.{md,csv,tex}`` at the default ``tiny`` scale, ``<grid>_<scale>.*`` otherwise."""
+    stem = grid.name if scale == "tiny" else f"{grid.name}_{scale}"
+    return {ext: results_dir / f"{stem}.{ext}" for ext in ("md", "csv", "tex")}
+
+
+def write_tables(grid: Grid, scale: str, results_dir: Path, command: str) -> dict[str, Path]:
+    """Write the table files from the tracking store; each file replaced atomically.
+
+    Returns:
+        The written paths by extension.
+    """
+    table = build_table(grid, scale, finished_runs(grid, scale, results_dir))
+    shown = display_table(table)
+    paths = table_paths(grid, scale, results_dir)
+    header = (
+        f"# {grid.title}\n\n"
+        f"Scale `{scale}`, grid `{grid.file}`, {int(table['n_seeds'].max() or 0)} seed(s) per row at most. "
+        f"Written by `{command}` from the MLflow store.\n\n"
+    )
+    notes = (
+        "\n\nPPL: perplexity on held-out validation documents per domain; Avg PPL is their mean. "
+        "Δ: Avg PPL minus the baseline's, paired by seed (negative is better); from three seeds on, "
+        "a 95% t-interval follows in brackets. Mean ± sample std over seeds. "
+        "Paper columns: the paper's own Table (MoE 15A2B, 400B tokens), for direction, not magnitude. "
+        "— means no finished run (or not applicable), never zero.\n"
+    )
+    _write_atomic(paths["md"], header + shown.to_markdown(index=False, disable_numparse=True) + notes)
+    _write_atomic(paths["csv"], table.to_csv(index=False, float_format="%.6g"))
+    _write_atomic(paths["tex"], shown.to_latex(index=False, escape=True))
+    return paths
+
+
+def params_table(grid: Grid, scale: str) -> pd.DataFrame:
+    """Total and added parameters of every row, counted on the meta device, beside the paper's."""
+    paper = paper_table(grid.paper_table)
+    baseline_total = parameter_count(grid.baseline_config(scale).model)
+    lines = []
+    for position, row in enumerate(grid.rows, start=1):
+        cell = grid.cells(scale, seeds=[0], rows=[row.id])[0]
+        total = math.nan if cell.unsupported else parameter_count(cell.config.model)
+        ref = paper.loc[row.paper_row] if paper is not None and row.paper_row in paper.index else None
+        lines.append(
+            {
+                "#": row.paper_row or position,
+                "Method": row.label,
+                "Total (M)": _fmt(total / 1e6, digits=1),
+                "Added (M)": _fmt_params((total - baseline_total) / 1e6),
+                "Paper Added (M)": _fmt_params(float(ref["added_params_m"]))
+                if ref is not None and "added_params_m" in ref
+                else "—",
+                "Note": cell.unsupported or "",
+            }
+        )
+    return pd.DataFrame(lines)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)

@@ -1,0 +1,178 @@
+"""Runs the cells of a grid: skips finished ones, trains the rest, prints progress and a summary."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import MLFlowLogger
+
+from experiments.corpus import build_corpus
+from experiments.data import CorpusDataModule
+from experiments.lit import LMModule, auto_precision
+from experiments.model import parameter_count
+from sweep.grid import Cell, Grid
+from sweep.progress import ProgressPrinter, SweepClock
+from sweep.tracking import STATUS_FAILED, STATUS_FINISHED, Tracker, experiment_name, tracking_uri
+
+TRAINED, SKIPPED, UNSUPPORTED, FAILED = "trained", "skipped", "unsupported", "failed"
+
+
+@dataclass
+class Outcome:
+    """What happened to one cell in this sweep."""
+
+    cell: Cell
+    status: str
+    seconds: float = 0.0
+    avg_ppl: float | None = None
+    note: str = ""
+
+
+def quiet_lightning() -> None:
+    """Keep Lightning's banner lines and small-data warnings out of the sweep's log."""
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # read when mlflow is imported
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    warnings.filterwarnings("ignore", ".*to avoid cluttering logs.*")
+    warnings.filterwarnings("ignore", ".*GPU available but not used.*")
+    warnings.filterwarnings("ignore", ".*isinstance.treespec, LeafSpec.*")
+
+
+def train_cell(
+    cell: Cell,
+    tracker: Tracker,
+    run_id: str,
+    baseline_params: int,
+    progress: ProgressPrinter,
+    cache_root: Path | None,
+) -> dict[str, float]:
+    """Train one cell into MLflow run ``run_id``; return its final metrics.
+
+    Logs ``params/total`` and ``params/added`` (against the grid's baseline row at this scale)
+    beside what :class:`LMModule` logs during training.
+    """
+    cfg = cell.config
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    datamodule = CorpusDataModule(cfg.data, cfg.train, cfg.seed, cache_root)
+    module = LMModule(cfg, datamodule.domains)
+    logger = MLFlowLogger(experiment_name=tracker.experiment, tracking_uri=tracker.uri, run_id=run_id)
+    trainer = pl.Trainer(
+        accelerator="auto",
+        devices=1,
+        max_steps=cfg.train.max_steps,
+        precision=auto_precision(cfg.train.precision),
+        gradient_clip_val=cfg.train.grad_clip or None,
+        val_check_interval=min(cfg.train.val_every, cfg.train.max_steps),
+        num_sanity_val_steps=0,
+        log_every_n_steps=cfg.train.log_every,
+        logger=logger,
+        callbacks=[progress],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, datamodule=datamodule)
+    if module.last_val_step != trainer.global_step:  # the last validation did not fall on the last step
+        trainer.validate(module, datamodule=datamodule, verbose=False)
+    final = dict(module.last_val)
+    final["params/total"] = module.n_params
+    final["params/added"] = module.n_params - baseline_params
+    tracker.log_metrics(run_id, {k: final[k] for k in ("params/total", "params/added")})
+    return final
+
+
+def run_sweep(
+    grid: Grid,
+    cells: list[Cell],
+    results_dir: Path,
+    force: bool = False,
+    cache_root: Path | None = None,
+    out=print,
+) -> list[Outcome]:
+    """Train every cell that has no finished run, in order; never raises for one cell's failure.
+
+    Args:
+        grid: the parsed grid (for the experiment name and the baseline's parameter count).
+        cells: the cells to consider, from ``grid.cells(...)``.
+        results_dir: holds the default SQLite store and artifacts.
+        force: retrain cells that already finished (their old run is tagged ``superseded``).
+        cache_root: corpus cache (default ``.cache``).
+        out: where progress lines go.
+
+    Returns:
+        One :class:`Outcome` per cell, in order.
+    """
+    quiet_lightning()
+    scale = cells[0].scale
+    tracker = Tracker(
+        tracking_uri(results_dir), experiment_name(grid.name, scale), results_dir / "mlartifacts"
+    )
+    baseline_params = parameter_count(grid.baseline_config(scale).model)
+    for data_cfg in {c.config.data for c in cells if not c.unsupported}:
+        build_corpus(data_cfg, cache_root, log=out)
+
+    todo, outcomes = [], {}
+    for cell in cells:
+        if cell.unsupported:
+            outcomes[id(cell)] = Outcome(cell, UNSUPPORTED, note=cell.unsupported)
+            continue
+        done = tracker.finished_run(cell.run_key)
+        if done is not None and not force:
+            outcomes[id(cell)] = Outcome(
+                cell, SKIPPED, avg_ppl=done.data.metrics.get("val/ppl/avg"), note="finished earlier"
+            )
+            continue
+        todo.append(cell)
+    out(
+        f"sweep {grid.name} at scale {scale}: {len(cells)} cells, {len(todo)} to train, "
+        f"{sum(o.status == SKIPPED for o in outcomes.values())} finished earlier, "
+        f"{sum(o.status == UNSUPPORTED for o in outcomes.values())} unsupported; tracking {tracker.uri}"
+    )
+
+    clock = SweepClock(len(todo))
+    for i, cell in enumerate(todo, start=1):
+        for old in tracker.runs_for(cell.run_key):
+            if old.data.tags.get("status") == STATUS_FINISHED:
+                tracker.client.set_tag(old.info.run_id, "status", "superseded")
+            else:  # an attempt that died: start the cell afresh in a clean run
+                tracker.delete(old.info.run_id)
+        prefix = f"[{i:>{len(str(len(todo)))}}/{len(todo)}] {cell.row.id} s{cell.seed}"
+        run_id = tracker.start_cell(cell)
+        started = time.perf_counter()
+        try:
+            final = train_cell(
+                cell, tracker, run_id, baseline_params, ProgressPrinter(prefix, clock, out), cache_root
+            )
+        except Exception as err:  # one bad cell must not stop the sweep
+            tracker.finish(run_id, STATUS_FAILED, f"{type(err).__name__}: {err}")
+            outcomes[id(cell)] = Outcome(
+                cell, FAILED, time.perf_counter() - started, note=f"{type(err).__name__}: {err}"
+            )
+            out(f"{prefix} FAILED: {type(err).__name__}: {err}")
+            clock.cell_done(time.perf_counter() - started)
+            continue
+        seconds = time.perf_counter() - started
+        tracker.finish(run_id, STATUS_FINISHED)
+        clock.cell_done(seconds)
+        outcomes[id(cell)] = Outcome(cell, TRAINED, seconds, final["val/ppl/avg"])
+        domains = ", ".join(
+            f"{key.removeprefix('val/ppl/')} {value:.2f}"
+            for key, value in final.items()
+            if key.startswith("val/ppl/") and key != "val/ppl/avg"
+        )
+        out(f"{prefix} done in {seconds:.0f} s: Avg PPL {final['val/ppl/avg']:.2f} ({domains})")
+    return [outcomes[id(c)] for c in cells]
+
+
+def summary_line(outcomes: list[Outcome]) -> str:
+    """``trained 13, skipped 0, unsupported 1, failed 0``."""
+    counts = {s: sum(o.status == s for o in outcomes) for s in (TRAINED, SKIPPED, UNSUPPORTED, FAILED)}
+    return ", ".join(f"{k} {v}" for k, v in counts.items())

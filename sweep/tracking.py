@@ -1,0 +1,141 @@
+"""MLflow glue: explicit store URIs, one experiment per (grid, scale), one run per cell.
+
+Default store: SQLite at ``results/mlflow.db`` with artifacts under ``results/mlartifacts``
+(never the deprecated file store); ``MLFLOW_TRACKING_URI`` overrides it (e.g. a tracking server
+on PostgreSQL for many machines).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from experiments.config import to_dict
+from sweep.grid import Cell
+
+STATUS_FINISHED = "finished"
+STATUS_FAILED = "failed"
+STATUS_RUNNING = "running"
+
+
+class TrackingError(RuntimeError):
+    """The tracking store cannot be reached or written."""
+
+
+def tracking_uri(results_dir: Path) -> str:
+    """``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<results_dir>/mlflow.db`` (absolute)."""
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    return f"sqlite:///{(results_dir / 'mlflow.db').resolve()}"
+
+
+def experiment_name(grid: str, scale: str) -> str:
+    """One experiment per grid and scale, e.g. ``table1-tiny``."""
+    return f"{grid}-{scale}"
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """``{"model": {"gate": {"position": "sdpa"}}}`` -> ``{"model.gate.position": "sdpa"}``."""
+    out: dict[str, str] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{name}."))
+        else:
+            out[name] = (
+                "none"
+                if value is None
+                else ",".join(map(str, value))
+                if isinstance(value, list)
+                else str(value)
+            )
+    return out
+
+
+class Tracker:
+    """Thin wrapper over ``MlflowClient`` for one experiment.
+
+    Args:
+        uri: tracking URI (see :func:`tracking_uri`).
+        experiment: experiment name; created if missing (by the sweep driver, before any worker).
+        artifact_root: where a new experiment stores artifacts when the store is local SQLite.
+
+    Raises:
+        TrackingError: the store is unreachable or rejects the experiment.
+    """
+
+    def __init__(self, uri: str, experiment: str, artifact_root: Path | None = None) -> None:
+        from mlflow import MlflowClient
+
+        self.uri = uri
+        self.client = MlflowClient(tracking_uri=uri)
+        try:
+            found = self.client.get_experiment_by_name(experiment)
+            if found is None:
+                location = None
+                if uri.startswith("sqlite:") and artifact_root is not None:
+                    location = (artifact_root / experiment).resolve().as_uri()
+                self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
+            else:
+                self.experiment_id = found.experiment_id
+        except Exception as err:  # MLflow raises many types for an unreachable store
+            raise TrackingError(f"tracking store {uri} is not usable: {str(err).splitlines()[0]}") from None
+        self.experiment = experiment
+
+    def runs_for(self, run_key: str) -> list[Any]:
+        """Live runs of this experiment tagged with ``run_key``, newest first."""
+        return self.client.search_runs(
+            [self.experiment_id],
+            filter_string=f"tags.run_key = '{run_key}'",
+            order_by=["attributes.start_time DESC"],
+        )
+
+    def finished_run(self, run_key: str) -> Any | None:
+        """The run of ``run_key`` whose ``status`` tag is ``finished``, if any."""
+        return next((r for r in self.runs_for(run_key) if r.data.tags.get("status") == STATUS_FINISHED), None)
+
+    def start_cell(self, cell: Cell, extra_tags: dict[str, str] | None = None) -> str:
+        """Create the cell's run with its tags, flattened params and resolved config; return its id."""
+        tags = {
+            "grid": cell.grid,
+            "scale": cell.scale,
+            "row": cell.row.id,
+            "label": cell.row.label,
+            "seed": str(cell.seed),
+            "run_key": cell.run_key,
+            "status": STATUS_RUNNING,
+            **(extra_tags or {}),
+        }
+        run = self.client.create_run(self.experiment_id, run_name=f"{cell.row.id}-s{cell.seed}", tags=tags)
+        run_id = run.info.run_id
+        from mlflow.entities import Param
+
+        params = [Param(k, v[:6000]) for k, v in flatten(to_dict(cell.config)).items()]
+        for i in range(0, len(params), 100):
+            self.client.log_batch(run_id, params=params[i : i + 100])
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "config.yaml"
+            path.write_text(yaml.safe_dump(to_dict(cell.config), sort_keys=False))
+            self.client.log_artifact(run_id, str(path))
+        return run_id
+
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+        """Log scalar metrics at ``step``."""
+        for key, value in metrics.items():
+            self.client.log_metric(run_id, key, float(value), step=step)
+
+    def finish(self, run_id: str, status: str, note: str | None = None) -> None:
+        """Set the ``status`` tag and end the run (FINISHED, or FAILED for any other status)."""
+        self.client.set_tag(run_id, "status", status)
+        if note:
+            self.client.set_tag(run_id, "status_note", note[:5000])
+        self.client.set_terminated(run_id, "FINISHED" if status == STATUS_FINISHED else "FAILED")
+
+    def delete(self, run_id: str) -> None:
+        """Move a run to MLflow's deleted lifecycle stage (restorable until ``mlflow gc``)."""
+        self.client.delete_run(run_id)

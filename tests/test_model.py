@@ -1,0 +1,185 @@
+"""Every gate of Tables 1, 3 and 4: shapes, parameter counts, baseline equivalence, causality."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from experiments.config import ConfigError, GateConfig, ModelConfig
+from experiments.model import GatedLM, count_parameters, parameter_count
+
+# A small shape with GQA (q=4, k=2) and head_dim != d_model / n_heads.
+SMALL = ModelConfig(
+    vocab_size=64, d_model=24, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=6, ffn_dim=40, max_seq_len=16
+)
+D, Q, K, DK, L = 24, 4, 2, 6, 2
+
+# name -> (gate, parameters it adds per layer, counted by hand from the paper's formulas, Section 2.1)
+VARIANTS = {
+    "sdpa_elementwise": (GateConfig(position="sdpa"), D * Q * DK),
+    "value_elementwise": (GateConfig(position="value"), D * K * DK),
+    "key_elementwise": (GateConfig(position="key"), D * K * DK),
+    "query_elementwise": (GateConfig(position="query"), D * Q * DK),
+    "dense_output": (GateConfig(position="dense"), D * D),
+    "sdpa_headwise": (GateConfig(position="sdpa", granularity="headwise"), D * Q),
+    "value_headwise": (GateConfig(position="value", granularity="headwise"), D * K),
+    "sdpa_head_shared": (GateConfig(position="sdpa", sharing="head_shared"), D * Q * DK),
+    "value_head_shared": (GateConfig(position="value", sharing="head_shared"), D * K * DK),
+    "sdpa_additive_silu": (GateConfig(position="sdpa", combine="additive", activation="silu"), D * Q * DK),
+    "sdpa_elementwise_silu": (GateConfig(position="sdpa", activation="silu"), D * Q * DK),
+    "sdpa_additive_identity": (
+        GateConfig(position="sdpa", combine="additive", activation="identity"),
+        D * Q * DK,
+    ),
+    "sdpa_ns_sigmoid": (GateConfig(position="sdpa", activation="ns_sigmoid"), D * Q * DK),
+    "sdpa_input_independent": (GateConfig(position="sdpa", input_dependent=False), Q * DK),
+    "sdpa_rmsnorm": (GateConfig(position="sdpa", kind="rmsnorm"), Q * DK),
+    "sdpa_silu": (GateConfig(position="sdpa", kind="silu"), 0),
+}
+
+
+def build(gate: GateConfig | None, seed: int = 0, **overrides) -> GatedLM:
+    torch.manual_seed(seed)
+    return GatedLM(dataclasses.replace(SMALL, gate=gate, **overrides)).double().eval()
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_shape_and_parameter_count(name: str) -> None:
+    gate, per_layer = VARIANTS[name]
+    model = build(gate)
+    tokens = torch.randint(0, 64, (3, 11))
+    assert model(tokens).shape == (3, 11, 64)
+    assert count_parameters(model) - count_parameters(build(None)) == L * per_layer
+    assert parameter_count(model.cfg) == count_parameters(model)  # the meta-device count agrees
+
+
+def _copy_baseline_into(gated: GatedLM, base: GatedLM) -> None:
+    """Give ``gated`` the baseline's weights; its gate columns sit after q|k|v in ``in_proj``."""
+    gated_params = dict(gated.named_parameters())
+    with torch.no_grad():
+        for name, p in base.named_parameters():
+            gated_params[name][: p.shape[0]].copy_(p)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_gate_forced_to_identity_reproduces_baseline(name: str) -> None:
+    gate, _ = VARIANTS[name]
+    if gate.kind != "gate":
+        pytest.skip("the Table 3 controls are transforms, not gates: nothing to force")
+    base, gated = build(None), build(gate, seed=1)
+    _copy_baseline_into(gated, base)
+    neutral = 1.0 if gate.combine == "multiplicative" else 0.0
+    for block in gated.blocks:
+        block.attn.gate.activation = lambda z, v=neutral: torch.full_like(z, v)
+    tokens = torch.randint(0, 64, (2, 13))
+    torch.testing.assert_close(gated(tokens), base(tokens), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", [None, *VARIANTS])
+def test_causal(name: str | None) -> None:
+    model = build(VARIANTS[name][0] if name else None)
+    tokens = torch.randint(0, 64, (2, 12))
+    changed = tokens.clone()
+    changed[:, 7:] = (changed[:, 7:] + 1) % 64
+    a, b = model(tokens), model(changed)
+    torch.testing.assert_close(a[:, :7], b[:, :7], rtol=0, atol=1e-12)
+    assert not torch.allclose(a[:, 7:], b[:, 7:])
+
+
+def _recorded_scores(model: GatedLM, tokens: torch.Tensor) -> torch.Tensor:
+    gate = model.blocks[0].attn.gate
+    gate.record = True
+    model(tokens)
+    return gate.recorded_scores
+
+
+def test_sdpa_gate_depends_on_its_input() -> None:
+    model = build(GateConfig(position="sdpa"))
+    a = _recorded_scores(model, torch.tensor([[1, 2, 3, 4]]))
+    b = _recorded_scores(model, torch.tensor([[5, 6, 7, 8]]))
+    assert a.shape == (1, 4, Q, DK)
+    assert (a - b).abs().max() > 1e-3
+    assert (a[0, 0] - a[0, 1]).abs().max() > 1e-3  # and differs across positions of one sequence
+
+
+def test_input_independent_gate_does_not() -> None:
+    model = build(GateConfig(position="sdpa", input_dependent=False))
+    a = _recorded_scores(model, torch.tensor([[1, 2, 3, 4]]))
+    b = _recorded_scores(model, torch.tensor([[5, 6, 7, 8]]))
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(a, torch.full_like(a, 0.5), rtol=0, atol=0)  # zero init -> sigmoid(0)
+
+
+def test_head_shared_scores_equal_across_heads() -> None:
+    model = build(GateConfig(position="sdpa", sharing="head_shared"))
+    scores = _recorded_scores(model, torch.tensor([[3, 1, 4, 1, 5]]))
+    assert scores.shape == (1, 5, 1, DK)  # one n x d_k score broadcast over the q heads
+
+
+def test_ns_sigmoid_range() -> None:
+    model = build(GateConfig(position="sdpa", activation="ns_sigmoid"))
+    scores = _recorded_scores(model, torch.randint(0, 64, (2, 9)))
+    assert scores.min() >= 0.5 and scores.max() <= 1.0
+
+
+def test_g1_gate_is_fused_into_the_qkv_projection() -> None:
+    model = build(GateConfig(position="sdpa"))
+    attn = model.blocks[0].attn
+    assert attn.in_proj.weight.shape == (Q * DK + 2 * K * DK + Q * DK, D)  # one matmul: q | k | v | gate
+    assert not any(isinstance(m, torch.nn.Linear) for m in attn.gate.modules())
+
+
+def test_released_1b_parameter_counts() -> None:
+    """The three released 1B checkpoints (paper.md §1.5), including match_params 6144 -> 5504."""
+    shape = dict(
+        vocab_size=152064,
+        d_model=2048,
+        n_layers=28,
+        n_heads=16,
+        n_kv_heads=8,
+        head_dim=128,
+        ffn_dim=6144,
+        tie_embeddings=True,
+        max_seq_len=4096,
+    )
+    elementwise = ModelConfig(**shape, gate=GateConfig(), match_params=True)
+    headwise = ModelConfig(**shape, gate=GateConfig(granularity="headwise"), match_params=True)
+    assert parameter_count(ModelConfig(**shape)) == 1_720_837_120
+    assert elementwise.effective_ffn_dim() == 5504
+    assert parameter_count(elementwise) == 1_728_177_152
+    assert headwise.effective_ffn_dim() == 6144
+    assert parameter_count(headwise) == 1_721_754_624
+
+
+def test_more_query_heads_grow_wq_and_wo() -> None:
+    grown = dataclasses.replace(SMALL, n_heads=6)
+    assert parameter_count(grown) - parameter_count(SMALL) == L * 2 * D * 2 * DK
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "path"),
+    [
+        (dict(n_kv_heads=3), "n_kv_heads"),
+        (dict(head_dim=5), "head_dim"),
+        (dict(d_model=0), "d_model"),
+        (
+            dict(gate=GateConfig(position="dense"), match_params=True, ffn_dim=8, ffn_multiple_of=1),
+            "match_params",
+        ),
+    ],
+)
+def test_impossible_shapes_are_rejected(kwargs: dict, path: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        dataclasses.replace(SMALL, **kwargs)
+    assert err.value.path == path
+
+
+def test_bad_gate_combinations_are_rejected() -> None:
+    with pytest.raises(ConfigError, match="G5"):
+        GateConfig(position="dense", granularity="headwise")
+    with pytest.raises(ConfigError, match="SDPA output"):
+        GateConfig(position="value", kind="rmsnorm")
+    with pytest.raises(ConfigError, match="allowed: sdpa, value, key, query, dense"):
+        GateConfig(position="output")

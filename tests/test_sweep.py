@@ -1,0 +1,149 @@
+"""End to end: a micro sweep (two rows, a few steps, real corpus) into a temporary store, then its table."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+from mlflow import MlflowClient
+
+from experiments.config import RunConfig, from_dict
+from sweep.cli import main
+from sweep.grid import load_grid
+from sweep.report import build_table, paired_delta
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MICRO = """\
+name: micro
+title: "Micro sweep"
+paper_table: table1_moe
+base:
+  model: {vocab_size: 512, d_model: 32, n_layers: 2, n_heads: 4, n_kv_heads: 2, head_dim: 8,
+          ffn_dim: 64, max_seq_len: 32}
+  train: {max_steps: 8, batch_size: 4, seq_len: 32, warmup_steps: 2, val_every: 4, val_tokens: 512,
+          max_lr: 2e-3}
+  data: {vocab_size: 512, max_chars_per_source: 200000}
+scales: {tiny: {}}
+rows:
+  - {id: baseline, label: "Baseline", paper_row: 1}
+  - {id: sdpa_elementwise, label: "SDPA elementwise (G1)", paper_row: 5, model: {gate: {position: sdpa}}}
+  - {id: add_experts, label: "Add 4 experts", paper_row: 4, requires: [moe]}
+"""
+
+
+@pytest.fixture(scope="module")
+def micro(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Run the micro sweep once; the corpus cache is the repository's own (real packages)."""
+    tmp = tmp_path_factory.mktemp("micro")
+    grid = tmp / "micro.yaml"
+    grid.write_text(MICRO)
+    results = tmp / "results"
+    mp = pytest.MonkeyPatch()
+    mp.setenv("GATED_ATTN_CACHE", str(ROOT / ".cache"))
+    mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+    code = main(["sweep", "--grid", str(grid), "--results", str(results)])
+    yield {"code": code, "grid": grid, "results": results, "mp": mp}
+    mp.undo()
+
+
+def _runs(results: Path) -> list:
+    client = MlflowClient(tracking_uri=f"sqlite:///{results / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("micro-tiny")
+    return client, client.search_runs([exp.experiment_id])
+
+
+@pytest.mark.slow
+def test_micro_sweep_tracks_every_cell(micro: dict) -> None:
+    assert micro["code"] == 0
+    client, runs = _runs(micro["results"])
+    assert sorted(r.data.tags["row"] for r in runs) == [
+        "baseline",
+        "sdpa_elementwise",
+    ]  # add_experts not trained
+    grid = load_grid(micro["grid"])
+    for run in runs:
+        tags, metrics = run.data.tags, run.data.metrics
+        assert tags["status"] == "finished" and run.info.status == "FINISHED"
+        assert {tags["grid"], tags["scale"], tags["seed"]} == {"micro", "tiny", "0"}
+        cell = grid.cells("tiny", rows=[tags["row"]])[0]
+        assert tags["run_key"] == cell.run_key and tags["label"] == cell.row.label
+        ppl = [metrics[f"val/ppl/{d}"] for d in ("code", "law", "literature")]
+        assert metrics["val/ppl/avg"] == pytest.approx(sum(ppl) / 3)
+        assert len(client.get_metric_history(run.info.run_id, "train/loss")) == 8  # one point per step
+        # Lightning logs at the 0-based index of the last batch: validations after steps 4 and 8.
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "val/ppl/avg")] == [3, 7]
+        assert run.data.params["model.d_model"] == "32"
+        artifact = Path(
+            client.download_artifacts(run.info.run_id, "config.yaml", str(micro["results"] / "dl"))
+        )
+        assert from_dict(RunConfig, yaml.safe_load(artifact.read_text())) == cell.config
+    gated = next(r for r in runs if r.data.tags["row"] == "sdpa_elementwise")
+    assert gated.data.metrics["params/added"] == 2 * 32 * 4 * 8  # L * d * q * d_k
+
+
+@pytest.mark.slow
+def test_micro_table_matches_the_store(micro: dict) -> None:
+    table = pd.read_csv(micro["results"] / "micro.csv")
+    assert {"row", "label", "added_params_m", "avg_ppl"} <= set(table.columns)
+    assert list(table["id"]) == ["baseline", "sdpa_elementwise", "add_experts"]
+    _, runs = _runs(micro["results"])
+    by_row = {r.data.tags["row"]: r.data.metrics["val/ppl/avg"] for r in runs}
+    assert table.loc[0, "avg_ppl"] == pytest.approx(by_row["baseline"], rel=1e-5)
+    assert table.loc[1, "delta_avg_ppl"] == pytest.approx(
+        by_row["sdpa_elementwise"] - by_row["baseline"], rel=1e-4
+    )
+    assert math.isnan(table.loc[2, "avg_ppl"])  # missing, never zero
+    assert table.loc[1, "paper_avg_ppl"] == 5.761
+    markdown = (micro["results"] / "micro.md").read_text()
+    assert "| 4   | Add 4 experts" in markdown and "needs the moe base" in markdown
+
+
+@pytest.mark.slow
+def test_second_sweep_trains_nothing_and_writes_the_same_table(
+    micro: dict, capsys: pytest.CaptureFixture
+) -> None:
+    before = (micro["results"] / "micro.csv").read_text()
+    assert main(["sweep", "--grid", str(micro["grid"]), "--results", str(micro["results"])]) == 0
+    out = capsys.readouterr().out
+    assert "0 to train, 2 finished earlier, 1 unsupported" in out
+    assert "trained 0, skipped 2, unsupported 1, failed 0" in out
+    _, runs = _runs(micro["results"])
+    assert len(runs) == 2
+    assert (micro["results"] / "micro.csv").read_text() == before
+
+
+def test_paired_delta_matches_a_hand_computed_t_interval() -> None:
+    base = pd.Series([10.0, 11.0, 12.0], index=[0, 1, 2])
+    row = pd.Series([9.0, 10.5, 11.0], index=[0, 1, 2])  # differences -1.0, -0.5, -1.0
+    mean, lo, hi, n = paired_delta(row, base)
+    sd = math.sqrt(((1 / 6) ** 2 + (1 / 3) ** 2 + (1 / 6) ** 2) / 2)  # sample std around -5/6
+    half = 4.302652729911275 * sd / math.sqrt(3)  # t(0.975, df=2)
+    assert (mean, n) == (pytest.approx(-5 / 6), 3)
+    assert (lo, hi) == (pytest.approx(-5 / 6 - half), pytest.approx(-5 / 6 + half))
+    assert math.isnan(paired_delta(row.iloc[:2], base.iloc[:2])[1])  # two pairs: no interval
+
+
+def test_table_statistics_over_seeds(tmp_path: Path) -> None:
+    grid_file = tmp_path / "g.yaml"
+    grid_file.write_text(MICRO)
+    grid = load_grid(grid_file)
+    runs = pd.DataFrame(
+        [
+            {"row": "baseline", "seed": s, "val/ppl/avg": v, "val/ppl/code": v, "val/ppl/law": v}
+            for s, v in enumerate([10.0, 12.0, 14.0])
+        ]
+        + [
+            {"row": "sdpa_elementwise", "seed": s, "val/ppl/avg": v, "val/ppl/code": v, "val/ppl/law": v}
+            for s, v in enumerate([9.0, 12.0])
+        ]
+    )
+    table = build_table(grid, "tiny", runs).set_index("id")
+    assert table.loc["baseline", "avg_ppl"] == 12.0 and table.loc["baseline", "avg_ppl_std"] == 2.0
+    assert table.loc["sdpa_elementwise", "n_seeds"] == 2
+    assert table.loc["sdpa_elementwise", "delta_avg_ppl"] == pytest.approx(-0.5)  # paired seeds 0 and 1 only
+    assert table.loc["add_experts", "status"].startswith("needs the moe base")
+    assert table.loc["sdpa_elementwise", "added_params_m"] == pytest.approx(2 * 32 * 4 * 8 / 1e6)
