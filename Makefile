@@ -11,7 +11,7 @@ SEEDS ?=
 ROWS  ?=
 FORCE ?=
 PORT  ?= 5000
-# A CPU build of torch here; any CUDA build >= 2.4 works elsewhere (TORCH_SPEC="torch" or preinstalled).
+# A CPU build of torch here; any CUDA build >= 2.5 works elsewhere (TORCH_SPEC="torch" or preinstalled).
 TORCH_SPEC ?= torch==2.13.0
 PYTHON ?= python3
 

@@ -56,7 +56,7 @@ class LMModule(pl.LightningModule):
         self.last_val_step = -1
         self._nll_sum = torch.zeros(len(self.domains), dtype=torch.float64)
         self._tok_count = torch.zeros(len(self.domains), dtype=torch.float64)
-        self._step_clock: float | None = None
+        self._step_clock = 0.0
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, T) token ids -> (B, T, V) logits."""
@@ -73,12 +73,10 @@ class LMModule(pl.LightningModule):
         return loss
 
     def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> None:
-        if self._step_clock is None:
-            self._step_clock = time.perf_counter()
+        self._step_clock = time.perf_counter()  # per step, so validation time is never counted
 
     def on_train_batch_end(self, outputs, batch: torch.Tensor, batch_idx: int) -> None:
-        now = time.perf_counter()
-        seconds, self._step_clock = now - self._step_clock, now
+        seconds = time.perf_counter() - self._step_clock
         self.log("train/tokens_per_s", batch[:, 1:].numel() / max(seconds, 1e-9), on_step=True, logger=True)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

@@ -63,10 +63,11 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         q, k, v, g = self.in_proj(x).split(self.split_sizes, dim=-1)
         g = g if g.shape[-1] else None
-        q = self._gated("query", q.view(b, t, self.n_heads, self.head_dim), g)  # G4
-        k = self._gated("key", k.view(b, t, self.n_kv_heads, self.head_dim), g)  # G3
+        # G4 / G3 act after qk-norm: RMSNorm would undo any scaling a gate applied before it.
+        q = self._gated("query", self.q_norm(q.view(b, t, self.n_heads, self.head_dim)), g)  # G4
+        k = self._gated("key", self.k_norm(k.view(b, t, self.n_kv_heads, self.head_dim)), g)  # G3
         v = self._gated("value", v.view(b, t, self.n_kv_heads, self.head_dim), g)  # G2
-        q, k = rope(self.q_norm(q)), rope(self.k_norm(k))
+        q, k = rope(q), rope(k)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (B, heads, T, D)
         if self.keep_attention:
             y = self._explicit_attention(q, k, v)

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         from sweep.report import write_tables
 
         if args.command == "tables":
-            paths = write_tables(grid, args.scale, results, _command_line())
+            paths = write_tables(grid, args.scale, results, _command_line(), seeds)
             print(f"wrote {', '.join(map(str, paths.values()))}")
             return 0
         from sweep.runner import FAILED, run_sweep, summary_line
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         cache = Path(os.environ["GATED_ATTN_CACHE"]) if os.environ.get("GATED_ATTN_CACHE") else None
         outcomes = run_sweep(grid, cells, results, force=args.force, cache_root=cache)
-        paths = write_tables(grid, args.scale, results, _command_line())
+        paths = write_tables(grid, args.scale, results, _command_line(), seeds)
         minutes = (time.perf_counter() - started) / 60
         print(f"sweep finished in {minutes:.1f} min: {summary_line(outcomes)}")
         for o in outcomes:

@@ -16,6 +16,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +24,12 @@ import yaml
 
 from experiments import SUPPORTED_FEATURES
 from experiments.config import ConfigError, RunConfig, from_dict, to_dict
+from experiments.corpus import recipe_hash
 
 GRID_KEYS = {"name", "title", "paper_table", "baseline_row", "seeds", "base", "scales", "rows"}
 ROW_KEYS = {"id", "label", "paper_row", "requires", "model", "train", "data"}
 SECTION_KEYS = {"model", "train", "data"}
-KNOWN_FEATURES = {"dense", "moe"}
+KNOWN_FEATURES = {"dense": "dense", "moe": "MoE"}  # id -> how messages name it
 _RELATIVE = re.compile(r"^x(\d+(?:\.\d+)?)$")
 _ROW_ID = re.compile(r"^[a-z0-9_]+$")
 
@@ -149,15 +151,24 @@ class Grid:
     def row_ids(self) -> list[str]:
         return [r.id for r in self.rows]
 
-    def resolve(self, scale: str, row: Row, seed: int) -> RunConfig:
-        """The row's RunConfig at ``scale`` for ``seed``. Raises GridError naming the key path."""
+    def resolve(self, scale: str, row: Row | None, seed: int) -> RunConfig:
+        """The row's RunConfig at ``scale`` for ``seed`` (``row=None``: base + scale alone).
+
+        Raises:
+            GridError: naming ``scales.<scale>.<key>`` when base + scale are invalid by
+                themselves, else the row and the key path, with the scale.
+        """
         merged = _deep_merge(self.base, self.scales[scale], "", row=None, file=self.file)
+        if row is None:
+            try:
+                return from_dict(RunConfig, {**merged, "seed": seed})
+            except ConfigError as err:
+                raise GridError(self.file, err.message, path=f"scales.{scale}.{err.path}") from None
         merged = _deep_merge(merged, row.overrides, "", row=row.id, file=self.file)
-        merged["seed"] = seed
         try:
-            return from_dict(RunConfig, merged)
+            return from_dict(RunConfig, {**merged, "seed": seed})
         except ConfigError as err:
-            raise GridError(self.file, err.message, row.id, err.path) from None
+            raise GridError(self.file, f"{err.message} (at scale '{scale}')", row.id, err.path) from None
 
     def cells(self, scale: str, seeds: list[int] | None = None, rows: list[str] | None = None) -> list[Cell]:
         """Every (row, seed) cell of ``scale``, validated, in the grid's row order.
@@ -169,6 +180,7 @@ class Grid:
             raise GridError(
                 self.file, f"unknown scale '{scale}'; defined: {', '.join(self.scales)}", path="scales"
             )
+        self.resolve(scale, None, 0)  # a broken scale is the scale's fault, not the first row's
         chosen = self.rows
         if rows:
             unknown = [r for r in rows if r not in self.row_ids()]
@@ -182,7 +194,8 @@ class Grid:
             missing = [f for f in row.requires if f not in SUPPORTED_FEATURES]
             for seed in seeds if seeds is not None else self.seeds:
                 cfg = self.resolve(scale, row, seed)
-                why = f"needs the {'/'.join(missing)} base, not built yet" if missing else None
+                names = "/".join(KNOWN_FEATURES[f] for f in missing)
+                why = f"needs the {names} base (not built yet)" if missing else None
                 out.append(Cell(self.name, scale, row, seed, cfg, run_key(cfg), why))
         return out
 
@@ -193,8 +206,10 @@ class Grid:
 
 
 def run_key(cfg: RunConfig) -> str:
-    """16 hex chars of sha256 over the canonical JSON of the resolved config (seed included)."""
-    blob = json.dumps(to_dict(cfg), sort_keys=True, separators=(",", ":"))
+    """16 hex chars of sha256 over the canonical JSON of the resolved config (seed included)
+    and the corpus recipe hash (which also covers source pins and the stdlib's Python version)."""
+    payload = {"config": to_dict(cfg), "corpus": recipe_hash(cfg.data)}
+    blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -227,6 +242,11 @@ def _scaled(current: Any, factor: float, path: str, row: str | None, file: Path)
     return value
 
 
+def paper_csv(name: str) -> Path:
+    """``sweep/paper/<name>.csv``: the paper's own numbers, shipped with the package."""
+    return Path(str(resources.files("sweep").joinpath("paper", f"{name}.csv")))
+
+
 def _require_mapping(file: Path, value: Any, path: str, row: str | None = None) -> dict:
     if not isinstance(value, dict):
         raise GridError(file, f"must be a mapping, got {type(value).__name__}", row, path)
@@ -239,10 +259,13 @@ def _parse_seeds(file: Path, value: Any) -> list[int]:
     if (
         isinstance(value, list)
         and value
-        and all(isinstance(s, int) and not isinstance(s, bool) for s in value)
+        and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in value)
+        and len(set(value)) == len(value)
     ):
         return list(value)
-    raise GridError(file, f"must be a positive count or a list of integers, got {value!r}", path="seeds")
+    raise GridError(
+        file, f"must be a positive count or a list of distinct integers >= 0, got {value!r}", path="seeds"
+    )
 
 
 def _parse_row(file: Path, index: int, raw: Any, seen: set[str]) -> Row:
@@ -260,7 +283,9 @@ def _parse_row(file: Path, index: int, raw: Any, seen: set[str]) -> Row:
     if not isinstance(label, str):
         raise GridError(file, "must be a string", rid, "label")
     requires = raw.get("requires", [])
-    if not isinstance(requires, list) or any(f not in KNOWN_FEATURES for f in requires):
+    if not isinstance(requires, list) or any(
+        not isinstance(f, str) or f not in KNOWN_FEATURES for f in requires
+    ):
         raise GridError(file, f"must be a list of {', '.join(sorted(KNOWN_FEATURES))}", rid, "requires")
     paper_row = raw.get("paper_row")
     if paper_row is not None and (isinstance(paper_row, bool) or not isinstance(paper_row, int)):
@@ -304,6 +329,10 @@ def load_grid(file: str | Path) -> Grid:
         raise GridError(file, "must be a non-empty list of rows", path="rows")
     seen: set[str] = set()
     rows = [_parse_row(file, i, r, seen) for i, r in enumerate(raw["rows"])]
+    paper = raw.get("paper_table")
+    if paper is not None and not (isinstance(paper, str) and paper_csv(paper).is_file()):
+        known = sorted(p.name.removesuffix(".csv") for p in paper_csv("").parent.iterdir())
+        raise GridError(file, f"unknown paper table {paper!r}; known: {', '.join(known)}", path="paper_table")
     baseline = raw.get("baseline_row", "baseline")
     if baseline not in seen:
         raise GridError(file, f"names no row of the grid: '{baseline}'", path="baseline_row")
@@ -316,7 +345,7 @@ def load_grid(file: str | Path) -> Grid:
         rows=rows,
         seeds=_parse_seeds(file, raw.get("seeds", 1)),
         baseline_row=baseline,
-        paper_table=raw.get("paper_table"),
+        paper_table=paper,
     )
     for scale in grid.scales:
         grid.cells(scale)

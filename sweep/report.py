@@ -8,42 +8,47 @@ over the per-seed differences. A row without a finished run shows as missing, ne
 from __future__ import annotations
 
 import math
-from importlib import resources
 from pathlib import Path
 
 import pandas as pd
 from scipy import stats
 
 from experiments.model import parameter_count
-from sweep.grid import Grid
+from sweep.grid import Grid, paper_csv, run_key
 from sweep.tracking import STATUS_FINISHED, Tracker, experiment_name, tracking_uri
 
 
 def paper_table(name: str | None) -> pd.DataFrame | None:
     """The paper's own numbers (``sweep/paper/<name>.csv``), indexed by paper row, or None."""
-    if not name:
-        return None
-    with resources.files("sweep").joinpath(f"paper/{name}.csv").open() as fh:
-        return pd.read_csv(fh).set_index("row")
+    return pd.read_csv(paper_csv(name)).set_index("row") if name else None
 
 
-def finished_runs(grid: Grid, scale: str, results_dir: Path) -> pd.DataFrame:
-    """One line per finished run: ``row``, ``seed`` and every ``val/*`` and ``params/*`` metric."""
+def finished_runs(grid: Grid, scale: str, results_dir: Path, seeds: list[int] | None = None) -> pd.DataFrame:
+    """One line per current finished cell: ``row``, ``seed`` and every ``val/*`` and ``params/*`` metric.
+
+    A run counts only when its ``run_key`` is the one the grid gives its row and seed today, so
+    runs of an edited grid (or of rows since removed) never mix into the table; of several runs
+    of one key the newest wins. ``seeds`` restricts the seeds (default: every seed found).
+    """
     tracker = Tracker(
         tracking_uri(results_dir), experiment_name(grid.name, scale), results_dir / "mlartifacts"
     )
     runs = tracker.client.search_runs(
-        [tracker.experiment_id], filter_string=f"tags.status = '{STATUS_FINISHED}'"
+        [tracker.experiment_id],
+        filter_string=f"tags.status = '{STATUS_FINISHED}'",
+        order_by=["attributes.start_time DESC"],
     )
-    records = [
-        {
-            "row": r.data.tags["row"],
-            "seed": int(r.data.tags["seed"]),
-            "run_id": r.info.run_id,
-            **r.data.metrics,
-        }
-        for r in runs
-    ]
+    rows = {r.id: r for r in grid.rows}
+    records, seen = [], set()
+    for r in runs:
+        tags = r.data.tags
+        row, seed, key = rows.get(tags.get("row")), int(tags.get("seed", -1)), tags.get("run_key")
+        if row is None or seed < 0 or (seeds is not None and seed not in seeds) or key in seen:
+            continue
+        if key != run_key(grid.resolve(scale, row, seed)):
+            continue
+        seen.add(key)
+        records.append({"row": row.id, "seed": seed, "run_id": r.info.run_id, **r.data.metrics})
     return pd.DataFrame.from_records(records, columns=["row", "seed", "run_id"] if not records else None)
 
 
@@ -161,13 +166,15 @@ def table_paths(grid: Grid, scale: str, results_dir: Path) -> dict[str, Path]:
     return {ext: results_dir / f"{stem}.{ext}" for ext in ("md", "csv", "tex")}
 
 
-def write_tables(grid: Grid, scale: str, results_dir: Path, command: str) -> dict[str, Path]:
+def write_tables(
+    grid: Grid, scale: str, results_dir: Path, command: str, seeds: list[int] | None = None
+) -> dict[str, Path]:
     """Write the table files from the tracking store; each file replaced atomically.
 
     Returns:
         The written paths by extension.
     """
-    table = build_table(grid, scale, finished_runs(grid, scale, results_dir))
+    table = build_table(grid, scale, finished_runs(grid, scale, results_dir, seeds))
     shown = display_table(table)
     paths = table_paths(grid, scale, results_dir)
     header = (

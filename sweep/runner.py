@@ -18,7 +18,15 @@ from experiments.lit import LMModule, auto_precision
 from experiments.model import parameter_count
 from sweep.grid import Cell, Grid
 from sweep.progress import ProgressPrinter, SweepClock
-from sweep.tracking import STATUS_FAILED, STATUS_FINISHED, Tracker, experiment_name, tracking_uri
+from sweep.tracking import (
+    STATUS_FAILED,
+    STATUS_FINISHED,
+    STATUS_RUNNING,
+    STATUS_SUPERSEDED,
+    Tracker,
+    experiment_name,
+    tracking_uri,
+)
 
 TRAINED, SKIPPED, UNSUPPORTED, FAILED = "trained", "skipped", "unsupported", "failed"
 
@@ -139,11 +147,10 @@ def run_sweep(
 
     clock = SweepClock(len(todo))
     for i, cell in enumerate(todo, start=1):
-        for old in tracker.runs_for(cell.run_key):
-            if old.data.tags.get("status") == STATUS_FINISHED:
-                tracker.client.set_tag(old.info.run_id, "status", "superseded")
-            else:  # an attempt that died: start the cell afresh in a clean run
-                tracker.delete(old.info.run_id)
+        earlier = tracker.runs_for(cell.run_key)
+        for old in earlier:
+            if old.data.tags.get("status") in (STATUS_FAILED, STATUS_RUNNING):
+                tracker.delete(old.info.run_id)  # an attempt that died: start the cell afresh
         prefix = f"[{i:>{len(str(len(todo)))}}/{len(todo)}] {cell.row.id} s{cell.seed}"
         run_id = tracker.start_cell(cell)
         started = time.perf_counter()
@@ -161,6 +168,9 @@ def run_sweep(
             continue
         seconds = time.perf_counter() - started
         tracker.finish(run_id, STATUS_FINISHED)
+        for old in earlier:  # FORCE: the old result steps aside only once the new one exists
+            if old.data.tags.get("status") == STATUS_FINISHED:
+                tracker.client.set_tag(old.info.run_id, "status", STATUS_SUPERSEDED)
         clock.cell_done(seconds)
         outcomes[id(cell)] = Outcome(cell, TRAINED, seconds, final["val/ppl/avg"])
         domains = ", ".join(

@@ -20,6 +20,7 @@ from sweep.grid import Cell
 STATUS_FINISHED = "finished"
 STATUS_FAILED = "failed"
 STATUS_RUNNING = "running"
+STATUS_SUPERSEDED = "superseded"  # a finished run replaced by a FORCE retrain; kept for history
 
 
 class TrackingError(RuntimeError):

@@ -171,3 +171,31 @@ def test_unwritable_results_folder_exits_2(tmp_path: Path, capsys: pytest.Captur
     code = main(["sweep", "--grid", str(write(tmp_path, GOOD)), "--results", str(blocker / "results")])
     assert code == 2
     assert "results folder is not writable" in capsys.readouterr().err
+
+
+def test_a_broken_scale_is_named_not_blamed_on_a_row(tmp_path: Path) -> None:
+    text = GOOD.replace("scales: {tiny: {}}", "scales: {tiny: {}, odd: {model: {n_kv_heads: 3}}}")
+    with pytest.raises(GridError) as err:
+        load_grid(write(tmp_path, text))
+    assert (err.value.row, err.value.path) == (None, "scales.odd.model.n_kv_heads")
+
+
+def test_row_errors_name_the_scale(tmp_path: Path) -> None:
+    text = GOOD.replace("scales: {tiny: {}}", "scales: {tiny: {}, wide: {model: {n_heads: 8}}}")
+    text += "  - {id: kv3, model: {n_kv_heads: x3}}\n"  # 2 x 3 = 6 divides neither 4 nor 8
+    with pytest.raises(
+        GridError,
+        match=r"row 'kv3': model.n_kv_heads: must divide n_heads=4 \(GQA\), got 6 \(at scale 'tiny'\)",
+    ):
+        load_grid(write(tmp_path, text))
+
+
+@pytest.mark.parametrize("seeds", ["[0, 0]", "[-1]", "0", "[a]"])
+def test_bad_seeds_are_rejected(tmp_path: Path, seeds: str) -> None:
+    with pytest.raises(GridError, match="seeds: must be a positive count or a list of distinct integers"):
+        load_grid(write(tmp_path, f"seeds: {seeds}\n" + GOOD))
+
+
+def test_unknown_paper_table_is_rejected_before_training(tmp_path: Path) -> None:
+    with pytest.raises(GridError, match="paper_table: unknown paper table 'table9'; known: architectures"):
+        load_grid(write(tmp_path, "paper_table: table9\n" + GOOD))

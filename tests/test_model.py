@@ -183,3 +183,52 @@ def test_bad_gate_combinations_are_rejected() -> None:
         GateConfig(position="value", kind="rmsnorm")
     with pytest.raises(ConfigError, match="allowed: sdpa, value, key, query, dense"):
         GateConfig(position="output")
+
+
+def _pattern(heads: int, width: int, vary_heads: bool = True) -> torch.Tensor:
+    """Distinct constant scores in (0.3, 0.9): (heads, width), optionally the same for every head."""
+    c = torch.linspace(0.3, 0.9, heads * width, dtype=torch.float64).view(heads, width)
+    return c if vary_heads else c[:1].expand(heads, width)
+
+
+@pytest.mark.parametrize("position", ["sdpa", "value", "key", "query", "dense"])
+def test_gate_acts_at_its_position(position: str) -> None:
+    """Constant scores c at a position equal the baseline with the matching weights scaled by c.
+
+    G1 scales W_O's input columns, G2 the v rows of the fused projection, G3 / G4 the qk-norm
+    gains (the gate acts after qk-norm, before RoPE), G5 W_O's output rows.
+    """
+    base, gated = build(None), build(GateConfig(position=position), seed=1)
+    _copy_baseline_into(gated, base)
+    heads, dim = {"sdpa": (Q, DK), "value": (K, DK), "key": (K, DK), "query": (Q, DK), "dense": (1, D)}[
+        position
+    ]
+    c = _pattern(heads, dim, vary_heads=position not in ("key", "query"))
+    q_dim, kv_dim = Q * DK, K * DK
+    with torch.no_grad():
+        for gated_block, block in zip(gated.blocks, base.blocks):
+            gated_block.attn.gate.activation = lambda z: c.expand_as(z)
+            attn = block.attn
+            if position == "sdpa":
+                attn.o_proj.weight.mul_(c.reshape(1, -1))
+            elif position == "value":
+                attn.in_proj.weight[q_dim + kv_dim : q_dim + 2 * kv_dim].mul_(c.reshape(-1, 1))
+            elif position == "key":
+                attn.k_norm.weight.mul_(c[0])
+            elif position == "query":
+                attn.q_norm.weight.mul_(c[0])
+            else:
+                attn.o_proj.weight.mul_(c.reshape(-1, 1))
+    tokens = torch.randint(0, 64, (2, 10))
+    torch.testing.assert_close(gated(tokens), base(tokens), rtol=0, atol=1e-10)
+
+
+def test_head_shared_score_is_the_mean_over_heads() -> None:
+    model = build(GateConfig(position="sdpa", sharing="head_shared"))
+    tokens = torch.randint(0, 64, (2, 7))
+    recorded = _recorded_scores(model, tokens)
+    block = model.blocks[0]
+    x = block.attn_norm(model.embed(tokens))
+    logits = x @ block.attn.in_proj.weight[-Q * DK :].T  # the gate's columns of the fused projection
+    expected = torch.sigmoid(logits.view(2, 7, Q, DK)).mean(dim=2, keepdim=True)
+    torch.testing.assert_close(recorded, expected, rtol=0, atol=1e-12)

@@ -68,7 +68,7 @@ def test_micro_sweep_tracks_every_cell(micro: dict) -> None:
     for run in runs:
         tags, metrics = run.data.tags, run.data.metrics
         assert tags["status"] == "finished" and run.info.status == "FINISHED"
-        assert {tags["grid"], tags["scale"], tags["seed"]} == {"micro", "tiny", "0"}
+        assert (tags["grid"], tags["scale"], tags["seed"]) == ("micro", "tiny", "0")
         cell = grid.cells("tiny", rows=[tags["row"]])[0]
         assert tags["run_key"] == cell.run_key and tags["label"] == cell.row.label
         ppl = [metrics[f"val/ppl/{d}"] for d in ("code", "law", "literature")]
@@ -99,7 +99,7 @@ def test_micro_table_matches_the_store(micro: dict) -> None:
     assert math.isnan(table.loc[2, "avg_ppl"])  # missing, never zero
     assert table.loc[1, "paper_avg_ppl"] == 5.761
     markdown = (micro["results"] / "micro.md").read_text()
-    assert "| 4   | Add 4 experts" in markdown and "needs the moe base" in markdown
+    assert "| 4   | Add 4 experts" in markdown and "needs the MoE base (not built yet)" in markdown
 
 
 @pytest.mark.slow
@@ -145,5 +145,31 @@ def test_table_statistics_over_seeds(tmp_path: Path) -> None:
     assert table.loc["baseline", "avg_ppl"] == 12.0 and table.loc["baseline", "avg_ppl_std"] == 2.0
     assert table.loc["sdpa_elementwise", "n_seeds"] == 2
     assert table.loc["sdpa_elementwise", "delta_avg_ppl"] == pytest.approx(-0.5)  # paired seeds 0 and 1 only
-    assert table.loc["add_experts", "status"].startswith("needs the moe base")
+    assert table.loc["add_experts", "status"].startswith("needs the MoE base")
     assert table.loc["sdpa_elementwise", "added_params_m"] == pytest.approx(2 * 32 * 4 * 8 / 1e6)
+
+
+@pytest.mark.slow
+def test_force_retrains_and_supersedes_only_after_success(micro: dict, capsys: pytest.CaptureFixture) -> None:
+    args = ["sweep", "--grid", str(micro["grid"]), "--results", str(micro["results"])]
+    assert main([*args, "--rows", "baseline", "--force"]) == 0
+    assert "trained 1, skipped 0" in capsys.readouterr().out
+    _, runs = _runs(micro["results"])
+    baseline = sorted((r for r in runs if r.data.tags["row"] == "baseline"), key=lambda r: r.info.start_time)
+    assert [r.data.tags["status"] for r in baseline] == ["superseded", "finished"]
+    table = pd.read_csv(micro["results"] / "micro.csv").set_index("id")
+    assert table.loc["baseline", "avg_ppl"] == pytest.approx(
+        baseline[-1].data.metrics["val/ppl/avg"], rel=1e-5
+    )
+    assert table.loc["baseline", "n_seeds"] == 1  # the superseded run is not counted twice
+
+
+@pytest.mark.slow
+def test_runs_of_an_edited_grid_do_not_enter_the_table(micro: dict, tmp_path: Path) -> None:
+    edited = tmp_path / "micro.yaml"
+    edited.write_text(MICRO.replace("max_lr: 2e-3", "max_lr: 3e-3"))
+    assert main(["tables", "--grid", str(edited), "--results", str(micro["results"])]) == 0
+    table = pd.read_csv(micro["results"] / "micro.csv")
+    assert list(table["status"]) == ["not run", "not run", "needs the MoE base (not built yet)"]
+    assert table["avg_ppl"].isna().all()
+    main(["tables", "--grid", str(micro["grid"]), "--results", str(micro["results"])])  # restore

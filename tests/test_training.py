@@ -1,0 +1,60 @@
+"""The schedule and the optimiser groups of the LightningModule."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from experiments.config import DataConfig, GateConfig, ModelConfig, RunConfig, TrainConfig
+from experiments.lit import LMModule, lr_at
+
+SCHED = TrainConfig(max_steps=100, warmup_steps=10, max_lr=2e-3, min_lr=3e-5)
+
+
+def test_warmup_is_linear_to_the_max_lr() -> None:
+    assert lr_at(0, SCHED) == pytest.approx(2e-3 / 10)
+    assert lr_at(4, SCHED) == pytest.approx(2e-3 * 5 / 10)
+    assert lr_at(9, SCHED) == pytest.approx(2e-3)
+
+
+def test_cosine_decays_to_the_min_lr() -> None:
+    assert lr_at(10, SCHED) == pytest.approx(2e-3)
+    assert lr_at(55, SCHED) == pytest.approx((2e-3 + 3e-5) / 2)  # halfway through the decay
+    assert lr_at(100, SCHED) == pytest.approx(3e-5)
+    assert lr_at(32, SCHED) == pytest.approx(3e-5 + 0.5 * (2e-3 - 3e-5) * (1 + math.cos(math.pi * 22 / 90)))
+    decay = [lr_at(s, SCHED) for s in range(10, 101)]
+    assert all(a >= b for a, b in zip(decay, decay[1:]))
+
+
+def test_weight_decay_only_on_projection_and_embedding_matrices() -> None:
+    model = ModelConfig(
+        vocab_size=512,
+        d_model=16,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        head_dim=8,
+        ffn_dim=32,
+        max_seq_len=128,
+        gate=GateConfig(input_dependent=False),
+    )
+    module = LMModule(RunConfig(model=model, data=DataConfig(vocab_size=512)), ["code"])
+    optimizer = module.configure_optimizers()["optimizer"]
+    decayed, plain = (group["params"] for group in optimizer.param_groups)
+    names = {id(p): n for n, p in module.model.named_parameters()}
+    assert {names[id(p)] for p in plain} == {
+        "blocks.0.attn_norm.weight",
+        "blocks.0.ffn_norm.weight",
+        "norm.weight",
+        "blocks.0.attn.q_norm.weight",
+        "blocks.0.attn.k_norm.weight",
+        "blocks.0.attn.gate.static_logits",
+    }
+    assert all(p.dim() == 2 for p in decayed)
+    assert (
+        optimizer.param_groups[0]["weight_decay"] == 0.1 and optimizer.param_groups[1]["weight_decay"] == 0.0
+    )
+    assert len(decayed) + len(plain) == len(list(module.model.parameters()))
+    assert isinstance(optimizer, torch.optim.AdamW)
