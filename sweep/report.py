@@ -186,8 +186,13 @@ def write_tables(
         "\n\nPPL: perplexity on held-out validation documents per domain; Avg PPL is their mean. "
         "Δ: Avg PPL minus the baseline's, paired by seed (negative is better); from three seeds on, "
         "a 95% t-interval follows in brackets. Mean ± sample std over seeds. "
-        "Paper columns: the paper's own Table (MoE 15A2B, 400B tokens), for direction, not magnitude. "
-        "— means no finished run (or not applicable), never zero.\n"
+        + (
+            f"Paper columns: the paper's own numbers (`sweep/paper/{grid.paper_table}.csv`), "
+            "for direction, not magnitude. "
+            if grid.paper_table
+            else ""
+        )
+        + "— means no finished run (or not applicable), never zero.\n"
     )
     _write_atomic(paths["md"], header + shown.to_markdown(index=False, disable_numparse=True) + notes)
     _write_atomic(paths["csv"], table.to_csv(index=False, float_format="%.6g"))

@@ -38,7 +38,6 @@ class Outcome:
     cell: Cell
     status: str
     seconds: float = 0.0
-    avg_ppl: float | None = None
     note: str = ""
 
 
@@ -134,9 +133,7 @@ def run_sweep(
             continue
         done = tracker.finished_run(cell.run_key)
         if done is not None and not force:
-            outcomes[id(cell)] = Outcome(
-                cell, SKIPPED, avg_ppl=done.data.metrics.get("val/ppl/avg"), note="finished earlier"
-            )
+            outcomes[id(cell)] = Outcome(cell, SKIPPED, note="finished earlier")
             continue
         todo.append(cell)
     out(
@@ -172,7 +169,7 @@ def run_sweep(
             if old.data.tags.get("status") == STATUS_FINISHED:
                 tracker.client.set_tag(old.info.run_id, "status", STATUS_SUPERSEDED)
         clock.cell_done(seconds)
-        outcomes[id(cell)] = Outcome(cell, TRAINED, seconds, final["val/ppl/avg"])
+        outcomes[id(cell)] = Outcome(cell, TRAINED, seconds)
         domains = ", ".join(
             f"{key.removeprefix('val/ppl/')} {value:.2f}"
             for key, value in final.items()

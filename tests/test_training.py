@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from experiments.config import DataConfig, GateConfig, ModelConfig, RunConfig, TrainConfig
-from experiments.lit import LMModule, lr_at
+from experiments.lit import LMModule, auto_precision, lr_at
+from experiments.model import GatedLM
 
 SCHED = TrainConfig(max_steps=100, warmup_steps=10, max_lr=2e-3, min_lr=3e-5)
 
@@ -58,3 +59,26 @@ def test_weight_decay_only_on_projection_and_embedding_matrices() -> None:
     )
     assert len(decayed) + len(plain) == len(list(module.model.parameters()))
     assert isinstance(optimizer, torch.optim.AdamW)
+
+
+def test_precision_is_chosen_by_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert auto_precision("auto") == "32-true"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert auto_precision("auto") == "bf16-mixed"
+    assert auto_precision("32-true") == "32-true"  # an explicit choice wins
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("gate", [None, GateConfig(position="sdpa"), GateConfig(granularity="headwise")])
+def test_bf16_training_step_on_cuda(gate: GateConfig | None) -> None:
+    cfg = ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=16, gate=gate)
+    model = GatedLM(cfg).cuda()
+    tokens = torch.randint(0, 512, (4, 65), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(tokens[:, :-1])
+    assert logits.dtype == torch.bfloat16
+    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
