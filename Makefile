@@ -12,6 +12,7 @@ ROWS  ?=
 FORCE ?=
 PORT  ?= 5000
 # A CPU build of torch here; any CUDA build >= 2.5 works elsewhere (TORCH_SPEC="torch" or preinstalled).
+# TORCH_SPEC only matters when .venv has no torch yet (`make clean` first to switch builds).
 TORCH_SPEC ?= torch==2.13.0
 PYTHON ?= python3
 
@@ -40,7 +41,7 @@ params: $(STAMP)
 	$(PY) -m sweep.cli params $(ARGS)
 
 bench: $(STAMP)
-	$(PY) -m sweep.bench --scale $(SCALE)
+	$(PY) -m sweep.bench --grid $(GRID) --scale $(SCALE) $(if $(ROWS),--rows $(ROWS))
 
 ui: $(STAMP)
 	$(VENV)/bin/mlflow ui --backend-store-uri "$${MLFLOW_TRACKING_URI:-sqlite:///results/mlflow.db}" --host 127.0.0.1 --port $(PORT)

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             from sweep.report import params_table
 
             print(f"{grid.title} - parameters at scale '{args.scale}' (meta device)")
-            print(params_table(grid, args.scale).to_markdown(index=False, disable_numparse=True))
+            print(params_table(grid, args.scale, rows).to_markdown(index=False, disable_numparse=True))
             return 0
         _writable(results)
         from sweep.report import write_tables

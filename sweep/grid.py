@@ -57,22 +57,25 @@ _GridLoader.add_implicit_resolver(
 )
 
 
+def _where(mark: yaml.Mark) -> str:
+    return f"line {mark.line + 1} column {mark.column + 1}"
+
+
 def _reject_duplicate_keys(file: Path, node: yaml.Node, path: str, row: str | None) -> None:
     """Walk the composed YAML tree; PyYAML would silently keep the last of two equal keys."""
     if isinstance(node, yaml.MappingNode):
-        seen: dict[Any, int] = {}
+        seen: dict[Any, yaml.Mark] = {}
         for key_node, value_node in node.value:
             key = key_node.value
             key_path = f"{path}.{key}" if path else key
             if key in seen:
                 raise GridError(
                     file,
-                    f"duplicate key '{key}' at line {key_node.start_mark.line + 1} "
-                    f"(first at line {seen[key] + 1})",
+                    f"duplicate key '{key}' at {_where(key_node.start_mark)} (first at {_where(seen[key])})",
                     row,
                     key_path,
                 )
-            seen[key] = key_node.start_mark.line
+            seen[key] = key_node.start_mark
             _reject_duplicate_keys(file, value_node, key_path, row)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):

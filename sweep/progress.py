@@ -56,6 +56,9 @@ class ProgressPrinter(pl.Callback):
         if step not in self.report_at:
             return
         elapsed = time.perf_counter() - self.started
+        if step == 1:  # the first step carries start-up costs: no estimate from it
+            self.out(f"{self.prefix} | step 1/{total} | loss {self.loss_ema:.3f} | started")
+            return
         cell_total = elapsed / step * total
         tok_s = step * batch[:, 1:].numel() / max(elapsed, 1e-9)
         self.out(

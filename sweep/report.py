@@ -200,12 +200,14 @@ def write_tables(
     return paths
 
 
-def params_table(grid: Grid, scale: str) -> pd.DataFrame:
-    """Total and added parameters of every row, counted on the meta device, beside the paper's."""
+def params_table(grid: Grid, scale: str, rows: list[str] | None = None) -> pd.DataFrame:
+    """Total and added parameters of each row (default all), on the meta device, beside the paper's."""
     paper = paper_table(grid.paper_table)
     baseline_total = parameter_count(grid.baseline_config(scale).model)
     lines = []
     for position, row in enumerate(grid.rows, start=1):
+        if rows and row.id not in rows:
+            continue
         cell = grid.cells(scale, seeds=[0], rows=[row.id])[0]
         total = math.nan if cell.unsupported else parameter_count(cell.config.model)
         ref = paper.loc[row.paper_row] if paper is not None and row.paper_row in paper.index else None
