@@ -105,7 +105,9 @@ def build_table(grid: Grid, scale: str, runs: pd.DataFrame) -> pd.DataFrame:
             _mean_std(mine["val/ppl/avg"]) if mine is not None else (math.nan,) * 2
         )
         line["n_seeds"] = 0 if mine is None else int(mine["val/ppl/avg"].notna().sum())
-        if mine is not None and base_runs is not None:
+        if row.id == grid.baseline_row and mine is not None:
+            d, lo, hi = 0.0, math.nan, math.nan  # the reference itself: no interval to speak of
+        elif mine is not None and base_runs is not None:
             d, lo, hi, _ = paired_delta(mine["val/ppl/avg"], base_runs["val/ppl/avg"])
         else:
             d = lo = hi = math.nan
@@ -139,8 +141,9 @@ def _fmt_delta(d: float, lo: float, hi: float) -> str:
     return f"{d:+.3f}" + (f" [{lo:+.3f}, {hi:+.3f}]" if not math.isnan(lo) else "")
 
 
-def display_table(table: pd.DataFrame) -> pd.DataFrame:
-    """Human-readable strings for Markdown and LaTeX: missing cells are "—", never 0."""
+def display_table(table: pd.DataFrame, baseline_id: str) -> pd.DataFrame:
+    """Human-readable strings for Markdown and LaTeX: missing cells are "—", never 0; the
+    baseline's Δ columns read "reference"."""
     domains = [
         c.removeprefix("ppl_") for c in table.columns if c.startswith("ppl_") and not c.endswith("_std")
     ]
@@ -156,6 +159,9 @@ def display_table(table: pd.DataFrame) -> pd.DataFrame:
     out["Paper Added (M)"] = [_fmt_params(v) for v in table["paper_added_params_m"]]
     out["Paper Avg PPL"] = [_fmt(v) for v in table["paper_avg_ppl"]]
     out["Paper Δ"] = [_fmt_delta(v, math.nan, math.nan) for v in table["paper_delta"]]
+    is_base = table["id"] == baseline_id
+    out.loc[is_base, "Δ Avg PPL"] = "reference"
+    out.loc[is_base & table["paper_delta"].notna(), "Paper Δ"] = "reference"
     out["Note"] = [s if s not in ("ok",) else "" for s in table["status"]]
     return out
 
@@ -175,7 +181,7 @@ def write_tables(
         The written paths by extension.
     """
     table = build_table(grid, scale, finished_runs(grid, scale, results_dir, seeds))
-    shown = display_table(table)
+    shown = display_table(table, grid.baseline_row)
     paths = table_paths(grid, scale, results_dir)
     header = (
         f"# {grid.title}\n\n"

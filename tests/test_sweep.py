@@ -100,6 +100,7 @@ def test_micro_table_matches_the_store(micro: dict) -> None:
     assert table.loc[1, "paper_avg_ppl"] == 5.761
     markdown = (micro["results"] / "micro.md").read_text()
     assert "| 4   | Add 4 experts" in markdown and "needs the MoE base (not built yet)" in markdown
+    assert markdown.count("| reference ") == 2  # the baseline's Δ and paper Δ
 
 
 @pytest.mark.slow
@@ -143,6 +144,9 @@ def test_table_statistics_over_seeds(tmp_path: Path) -> None:
     )
     table = build_table(grid, "tiny", runs).set_index("id")
     assert table.loc["baseline", "avg_ppl"] == 12.0 and table.loc["baseline", "avg_ppl_std"] == 2.0
+    assert table.loc["baseline", "delta_avg_ppl"] == 0.0 and math.isnan(
+        table.loc["baseline", "delta_ci95_low"]
+    )
     assert table.loc["sdpa_elementwise", "n_seeds"] == 2
     assert table.loc["sdpa_elementwise", "delta_avg_ppl"] == pytest.approx(-0.5)  # paired seeds 0 and 1 only
     assert table.loc["add_experts", "status"].startswith("needs the MoE base")
