@@ -8,13 +8,14 @@ over the per-seed differences. A row without a finished run shows as missing, ne
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
 from scipy import stats
 
 from experiments.model import parameter_count
-from sweep.grid import Grid, paper_csv, run_key
+from sweep.grid import Cell, Grid, Row, paper_csv, run_key
 from sweep.tracking import STATUS_FINISHED, Tracker, experiment_name, tracking_uri
 
 
@@ -79,6 +80,29 @@ def paired_delta(row: pd.Series, base: pd.Series) -> tuple[float, float, float, 
     return mean, mean - half, mean + half, n
 
 
+def _paper_value(paper: pd.DataFrame | None, row: Row, column: str) -> float:
+    """The paper's ``column`` for ``row`` (by its ``paper_row``), NaN where it has none."""
+    if paper is None or row.paper_row not in paper.index or column not in paper.columns:
+        return math.nan
+    return float(paper.loc[row.paper_row, column])
+
+
+def _row_parameters(
+    grid: Grid, scale: str, rows: list[str] | None = None
+) -> Iterator[tuple[int, Row, Cell, float]]:
+    """(table row number, row, its seed-0 cell, total parameters or NaN if unsupported) per grid row."""
+    for position, row in enumerate(grid.rows, start=1):
+        if rows and row.id not in rows:
+            continue
+        cell = grid.cells(scale, seeds=[0], rows=[row.id])[0]
+        yield (
+            row.paper_row or position,
+            row,
+            cell,
+            math.nan if cell.unsupported else parameter_count(cell.config.model),
+        )
+
+
 def build_table(grid: Grid, scale: str, runs: pd.DataFrame) -> pd.DataFrame:
     """The numeric table: one line per grid row, our figures beside the paper's."""
     paper = paper_table(grid.paper_table)
@@ -88,14 +112,12 @@ def build_table(grid: Grid, scale: str, runs: pd.DataFrame) -> pd.DataFrame:
     baseline_total = parameter_count(grid.baseline_config(scale).model)
     by_row = {rid: g.set_index("seed") for rid, g in runs.groupby("row")} if len(runs) else {}
     base_runs = by_row.get(grid.baseline_row)
-    paper_base = paper.loc[1, "avg_ppl"] if paper is not None and 1 in paper.index else math.nan
+    baseline = next(r for r in grid.rows if r.id == grid.baseline_row)
+    paper_base = _paper_value(paper, baseline, "avg_ppl")
     lines = []
-    for position, row in enumerate(grid.rows, start=1):
-        cell = grid.cells(scale, seeds=[0], rows=[row.id])[0]
-        line: dict[str, object] = {"row": row.paper_row or position, "id": row.id, "label": row.label}
-        line["added_params_m"] = (
-            math.nan if cell.unsupported else (parameter_count(cell.config.model) - baseline_total) / 1e6
-        )
+    for number, row, cell, total in _row_parameters(grid, scale):
+        line: dict[str, object] = {"row": number, "id": row.id, "label": row.label}
+        line["added_params_m"] = (total - baseline_total) / 1e6
         mine = by_row.get(row.id)
         for d in domains:
             line[f"ppl_{d}"], line[f"ppl_{d}_std"] = (
@@ -112,11 +134,8 @@ def build_table(grid: Grid, scale: str, runs: pd.DataFrame) -> pd.DataFrame:
         else:
             d = lo = hi = math.nan
         line["delta_avg_ppl"], line["delta_ci95_low"], line["delta_ci95_high"] = d, lo, hi
-        ref = paper.loc[row.paper_row] if paper is not None and row.paper_row in paper.index else None
-        line["paper_added_params_m"] = (
-            float(ref["added_params_m"]) if ref is not None and "added_params_m" in ref else math.nan
-        )
-        line["paper_avg_ppl"] = float(ref["avg_ppl"]) if ref is not None else math.nan
+        line["paper_added_params_m"] = _paper_value(paper, row, "added_params_m")
+        line["paper_avg_ppl"] = _paper_value(paper, row, "avg_ppl")
         line["paper_delta"] = line["paper_avg_ppl"] - paper_base
         line["status"] = cell.unsupported or ("ok" if mine is not None else "not run")
         lines.append(line)
@@ -210,25 +229,17 @@ def params_table(grid: Grid, scale: str, rows: list[str] | None = None) -> pd.Da
     """Total and added parameters of each row (default all), on the meta device, beside the paper's."""
     paper = paper_table(grid.paper_table)
     baseline_total = parameter_count(grid.baseline_config(scale).model)
-    lines = []
-    for position, row in enumerate(grid.rows, start=1):
-        if rows and row.id not in rows:
-            continue
-        cell = grid.cells(scale, seeds=[0], rows=[row.id])[0]
-        total = math.nan if cell.unsupported else parameter_count(cell.config.model)
-        ref = paper.loc[row.paper_row] if paper is not None and row.paper_row in paper.index else None
-        lines.append(
-            {
-                "#": row.paper_row or position,
-                "Method": row.label,
-                "Total (M)": _fmt(total / 1e6, digits=1),
-                "Added (M)": _fmt_params((total - baseline_total) / 1e6),
-                "Paper Added (M)": _fmt_params(float(ref["added_params_m"]))
-                if ref is not None and "added_params_m" in ref
-                else "—",
-                "Note": cell.unsupported or "",
-            }
-        )
+    lines = [
+        {
+            "#": number,
+            "Method": row.label,
+            "Total (M)": _fmt(total / 1e6, digits=1),
+            "Added (M)": _fmt_params((total - baseline_total) / 1e6),
+            "Paper Added (M)": _fmt_params(_paper_value(paper, row, "added_params_m")),
+            "Note": cell.unsupported or "",
+        }
+        for number, row, cell, total in _row_parameters(grid, scale, rows)
+    ]
     return pd.DataFrame(lines)
 
 
