@@ -177,3 +177,21 @@ def test_runs_of_an_edited_grid_do_not_enter_the_table(micro: dict, tmp_path: Pa
     assert list(table["status"]) == ["not run", "not run", "needs the MoE base (not built yet)"]
     assert table["avg_ppl"].isna().all()
     main(["tables", "--grid", str(micro["grid"]), "--results", str(micro["results"])])  # restore
+
+
+@pytest.mark.slow
+def test_a_last_step_off_the_validation_grid_is_still_validated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GATED_ATTN_CACHE", str(ROOT / ".cache"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    grid = tmp_path / "g.yaml"
+    grid.write_text(MICRO.replace("max_steps: 8", "max_steps: 5").replace("val_every: 4", "val_every: 3"))
+    assert main(["sweep", "--grid", str(grid), "--results", str(tmp_path / "r"), "--rows", "baseline"]) == 0
+    client, runs = _runs(tmp_path / "r")
+    history = client.get_metric_history(runs[0].info.run_id, "val/ppl/avg")
+    assert [m.step for m in history] == [
+        2,
+        5,
+    ]  # in-fit at Lightning's 0-based index, then after the last step
+    assert runs[0].data.metrics["val/ppl/avg"] == history[-1].value
