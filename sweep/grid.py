@@ -202,10 +202,14 @@ class Grid:
                 out.append(Cell(self.name, scale, row, seed, cfg, run_key(cfg), why))
         return out
 
+    @property
+    def baseline(self) -> Row:
+        """The row every other row's Δ and added parameters are measured against."""
+        return next(r for r in self.rows if r.id == self.baseline_row)
+
     def baseline_config(self, scale: str) -> RunConfig:
         """The baseline row's config at ``scale`` (seed 0): the reference of ``params/added``."""
-        row = next(r for r in self.rows if r.id == self.baseline_row)
-        return self.resolve(scale, row, 0)
+        return self.resolve(scale, self.baseline, 0)
 
 
 def run_key(cfg: RunConfig) -> str:

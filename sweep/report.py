@@ -112,8 +112,7 @@ def build_table(grid: Grid, scale: str, runs: pd.DataFrame) -> pd.DataFrame:
     baseline_total = parameter_count(grid.baseline_config(scale).model)
     by_row = {rid: g.set_index("seed") for rid, g in runs.groupby("row")} if len(runs) else {}
     base_runs = by_row.get(grid.baseline_row)
-    baseline = next(r for r in grid.rows if r.id == grid.baseline_row)
-    paper_base = _paper_value(paper, baseline, "avg_ppl")
+    paper_base = _paper_value(paper, grid.baseline, "avg_ppl")
     lines = []
     for number, row, cell, total in _row_parameters(grid, scale):
         line: dict[str, object] = {"row": number, "id": row.id, "label": row.label}
