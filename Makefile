@@ -53,4 +53,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) .cache results/mlflow.db results/mlartifacts results/runs
+	rm -rf $(VENV) .cache results/mlflow.db results/mlartifacts results/runs results/checkpoints

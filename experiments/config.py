@@ -191,12 +191,31 @@ class TrainConfig:
     """Log training metrics every N steps."""
     precision: Literal["auto", "32-true", "bf16-mixed"] = "auto"
     """``auto``: bf16-mixed on CUDA, fp32 on CPU."""
+    probe_seqs: int = 4
+    """Probe batch: this many ``seq_len`` windows from the start of each domain's test split."""
+    probe_every: int = 0
+    """Also probe after every N-th validation (0: only once, after training)."""
+    spike_window: int = 50
+    """Loss-spike rule: the running window of previous training losses (steps)."""
+    spike_z: float = 6.0
+    """Loss-spike rule: a loss above the window's mean by more than this many standard deviations."""
+    diverge_factor: float = 2.0
+    """Divergence: a non-finite loss, or one above ``diverge_factor * ln(vocab_size)`` (uniform
+    prediction costs ``ln V`` nats, the loss at initialisation)."""
+    checkpoint_every: int = 100
+    """Save the training state every N steps (only the latest is kept; 0 turns it off)."""
 
     def __post_init__(self) -> None:
         _check_literals(self)
-        for name in ("max_steps", "batch_size", "seq_len", "val_every", "val_tokens", "log_every"):
+        for name in (
+            "max_steps", "batch_size", "seq_len", "val_every", "val_tokens", "log_every", "probe_seqs",
+            "spike_window", "spike_z", "diverge_factor",
+        ):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ConfigError(name, f"must be positive, got {getattr(self, name)}")
+        for name in ("probe_every", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, f"must be 0 or more, got {getattr(self, name)}")
         if not 0 < self.min_lr <= self.max_lr:
             raise ConfigError("min_lr", f"must be in (0, max_lr={self.max_lr}], got {self.min_lr}")
         if not 0 <= self.warmup_steps < self.max_steps:

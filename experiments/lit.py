@@ -12,6 +12,8 @@ from torch import nn
 
 from experiments.config import RunConfig, TrainConfig
 from experiments.model import GatedLM, count_parameters
+from experiments.probes import ProbeResult, run_probes
+from experiments.stability import SpikeDetector, check_divergence, divergence_bound
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -42,15 +44,26 @@ class LMModule(pl.LightningModule):
     and ``val/loss`` (token-weighted mean NLL in nats). The last validation's figures stay in
     ``self.last_val``.
 
+    Every step's loss is checked: a loss spike (``experiments.stability``) is logged at once as
+    ``stability/spike`` (value: the loss, step: the step); a diverged loss raises
+    :class:`~experiments.stability.Diverged` before the backward pass, so no optimiser step is
+    taken on it. With ``probe_tokens`` and ``train.probe_every`` > 0, the probes of
+    ``experiments.probes`` run after every ``probe_every``-th validation and log at its step.
+
     Args:
         cfg: the run configuration.
         domains: validation domain names, in the order of the validation dataloaders.
+        probe_tokens: (N, T) the probe batch, or None.
     """
 
-    def __init__(self, cfg: RunConfig, domains: list[str]) -> None:
+    def __init__(self, cfg: RunConfig, domains: list[str], probe_tokens: torch.Tensor | None = None) -> None:
         super().__init__()
         self.cfg, self.domains = cfg, list(domains)
         self.model = GatedLM(cfg.model)
+        self.probe_tokens = probe_tokens
+        self.spikes = SpikeDetector(cfg.train.spike_window, cfg.train.spike_z)
+        self.diverge_bound = divergence_bound(cfg.model.vocab_size, cfg.train.diverge_factor)
+        self.validations = 0
         self.n_params = count_parameters(self.model)
         self.last_val: dict[str, float] = {}
         self.last_val_step = -1
@@ -68,6 +81,10 @@ class LMModule(pl.LightningModule):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
+        value = float(loss.detach())
+        check_divergence(self.global_step, value, self.diverge_bound)
+        if self.spikes.update(self.global_step, value) and self.logger is not None:
+            self.logger.log_metrics({"stability/spike": value}, step=self.global_step)
         self.log("train/loss", loss, on_step=True, prog_bar=False, logger=True)
         self.log("train/lr", self.lr_schedulers().get_last_lr()[0], on_step=True, logger=True)
         return loss
@@ -103,6 +120,23 @@ class LMModule(pl.LightningModule):
         self.last_val, self.last_val_step = figures, self.global_step
         for key, value in figures.items():
             self.log(key, value, logger=True)
+        self.validations += 1
+        every = self.cfg.train.probe_every
+        if every and self.validations % every == 0 and self.probe_tokens is not None and self.logger:
+            self.logger.log_metrics(self.probe().metrics(), step=self.global_step)
+
+    def probe(self) -> ProbeResult:
+        """Run the probes on the probe batch (see ``experiments.probes``)."""
+        return run_probes(self.model, self.probe_tokens, seed=self.cfg.seed)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["stability"] = self.spikes.state_dict()
+        checkpoint["validations"] = self.validations
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if "stability" in checkpoint:
+            self.spikes.load_state_dict(checkpoint["stability"])
+            self.validations = checkpoint["validations"]
 
     def configure_optimizers(self):
         t = self.cfg.train

@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
             if o.status == FAILED:
                 print(f"  failed: {o.cell.row.id} seed {o.cell.seed}: {o.note}")
         print(f"table: {paths['md']} (also .csv, .tex); browse the runs with: make ui")
+        figures = [str(p) for k, p in paths.items() if k not in ("md", "csv", "tex")]
+        if figures:
+            print(f"figures: {', '.join(figures)}")
         return 1 if any(o.status == FAILED for o in outcomes) else 0
     except (GridError, TrackingError, CorpusError, UsageError) as err:
         print(f"error: {err}", file=sys.stderr)

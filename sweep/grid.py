@@ -1,8 +1,11 @@
 """YAML grid -> validated cells (row x seed), each a :class:`RunConfig` with a stable ``run_key``.
 
 A grid holds ``base`` (model / train / data), named ``scales`` that resize the base, and
-``rows`` that override it. A row value ``x2`` or ``x1.5`` means "the scale's value times that",
-so one row list serves every scale (``n_kv_heads: x2`` is Table 1's k = 8 at the paper's size).
+``rows`` that override it. A row value ``x2`` or ``x1.5`` means "the scale's value times
+that", so one row list serves every scale (``n_kv_heads: x2`` is Table 1's k = 8 at the
+paper's size). ``inherit: other.yaml`` (a path relative to the grid) takes that grid's ``base``
+and ``scales`` as this grid's starting point, so Tables 1, 3 and 4 share one definition of the
+model and of each scale.
 Precedence: dataclass defaults < base < scale < row.
 
 Everything is checked before any training; a problem raises :class:`GridError`, whose message
@@ -26,7 +29,11 @@ from experiments import SUPPORTED_FEATURES
 from experiments.config import ConfigError, RunConfig, from_dict, to_dict
 from experiments.corpus import recipe_hash
 
-GRID_KEYS = {"name", "title", "paper_table", "baseline_row", "seeds", "base", "scales", "rows"}
+GRID_KEYS = {
+    "name", "title", "paper_table", "baseline_row", "seeds", "base", "scales", "rows", "inherit", "columns",
+}  # fmt: skip
+#: Probe columns a table may show (``columns:`` in a grid); the CSV always has all of them.
+TABLE_COLUMNS = ("gate_score", "m_act", "f_attn", "loss_spikes")
 ROW_KEYS = {"id", "label", "paper_row", "requires", "model", "train", "data"}
 SECTION_KEYS = {"model", "train", "data"}
 KNOWN_FEATURES = {"dense": "dense", "moe": "MoE"}  # id -> how messages name it
@@ -150,6 +157,8 @@ class Grid:
     seeds: list[int]
     baseline_row: str
     paper_table: str | None = None
+    columns: tuple[str, ...] = ("gate_score",)
+    """Probe columns the Markdown / LaTeX table shows beside PPL (see :data:`TABLE_COLUMNS`)."""
 
     def row_ids(self) -> list[str]:
         return [r.id for r in self.rows]
@@ -312,6 +321,8 @@ def load_grid(file: str | Path) -> Grid:
     for key in raw:
         if key not in GRID_KEYS:
             raise GridError(file, f"unknown key; known keys: {', '.join(sorted(GRID_KEYS))}", path=key)
+    if "inherit" in raw:
+        raw = _inherit(file, raw)
     for key in ("name", "base", "scales", "rows"):
         if key not in raw:
             raise GridError(file, f"missing required key '{key}'", path=key)
@@ -353,7 +364,33 @@ def load_grid(file: str | Path) -> Grid:
         seeds=_parse_seeds(file, raw.get("seeds", 1)),
         baseline_row=baseline,
         paper_table=paper,
+        columns=_parse_columns(file, raw.get("columns", ["gate_score"])),
     )
     for scale in grid.scales:
         grid.cells(scale)
     return grid
+
+
+def _inherit(file: Path, raw: dict) -> dict:
+    """``raw`` with the inherited grid's ``base`` and ``scales`` beneath its own (deep-merged)."""
+    ref = raw["inherit"]
+    if not isinstance(ref, str):
+        raise GridError(file, "must be a path to another grid file", path="inherit")
+    parent_file = file.parent / ref
+    if not parent_file.is_file():
+        raise GridError(file, f"inherited grid {parent_file} does not exist", path="inherit")
+    parent = _require_mapping(parent_file, read_yaml(parent_file), "(top level)")
+    if "inherit" in parent:
+        raise GridError(file, f"{parent_file} inherits in turn; one level only", path="inherit")
+    merged = dict(raw)
+    for key in ("base", "scales"):
+        mine = _require_mapping(file, raw.get(key) or {}, key)
+        theirs = _require_mapping(parent_file, parent.get(key) or {}, key)
+        merged[key] = _deep_merge(theirs, mine, key, None, file)
+    return merged
+
+
+def _parse_columns(file: Path, value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or any(c not in TABLE_COLUMNS for c in value):
+        raise GridError(file, f"must be a list of {', '.join(TABLE_COLUMNS)}; got {value!r}", path="columns")
+    return tuple(value)

@@ -2,7 +2,9 @@
 
 Each row of the grid becomes one table row in the grid's order. Several seeds give mean +- std
 (sample std); from three paired seeds on, the difference to the baseline gets a 95% t-interval
-over the per-seed differences. A row without a finished run shows as missing, never as zero.
+over the per-seed differences. A row without a finished run shows as missing, never as zero; a
+row whose runs all diverged shows "diverged", as the paper's Table 2 shows "-". Beside PPL, the
+probes (``experiments.probes``) give the gate score, M-Act and F-Attn columns of Table 4.
 """
 
 from __future__ import annotations
@@ -14,9 +16,26 @@ from pathlib import Path
 import pandas as pd
 from scipy import stats
 
+from experiments.config import GateConfig, to_dict
 from experiments.model import parameter_count
 from sweep.grid import Cell, Grid, Row, paper_csv, run_key
-from sweep.tracking import STATUS_FINISHED, Tracker, experiment_name, tracking_uri
+from sweep.tracking import (
+    DONE_STATUSES,
+    STATUS_DIVERGED,
+    STATUS_FINISHED,
+    Tracker,
+    experiment_name,
+    flatten,
+    tracking_uri,
+)
+
+#: Table column -> the MLflow metric it summarises (per run), and its Markdown heading.
+PROBE_COLUMNS = {
+    "gate_score": ("gate/score_mean", "Gate score", 3),
+    "m_act": ("act/max_mean", "M-Act", 1),
+    "f_attn": ("sink/first_token_attn", "F-Attn", 3),
+    "loss_spikes": ("stability/loss_spikes", "Loss spikes", 1),
+}
 
 
 def paper_table(name: str | None) -> pd.DataFrame | None:
@@ -24,8 +43,17 @@ def paper_table(name: str | None) -> pd.DataFrame | None:
     return pd.read_csv(paper_csv(name)).set_index("row") if name else None
 
 
+COLUMN_NOTES = {
+    "gate_score": "Gate score: mean gate score over layers on the fixed probe batch (— without a gate). ",
+    "m_act": "M-Act: mean over layers of the largest |activation| of the residual stream. ",
+    "f_attn": "F-Attn: attention probability on the first token, mean over layers, heads and queries. ",
+    "loss_spikes": "Loss spikes: training losses above the running mean by more than z std. ",
+}
+
+
 def finished_runs(grid: Grid, scale: str, results_dir: Path, seeds: list[int] | None = None) -> pd.DataFrame:
-    """One line per current finished cell: ``row``, ``seed`` and every ``val/*`` and ``params/*`` metric.
+    """One line per current cell with a result: ``row``, ``seed``, ``run_id``, ``status``
+    (``finished`` or ``diverged``) and every metric of the run.
 
     A run counts only when its ``run_key`` is the one the grid gives its row and seed today, so
     runs of an edited grid (or of rows since removed) never mix into the table; of several runs
@@ -34,13 +62,16 @@ def finished_runs(grid: Grid, scale: str, results_dir: Path, seeds: list[int] | 
     tracker = Tracker(
         tracking_uri(results_dir), experiment_name(grid.name, scale), results_dir / "mlartifacts"
     )
-    runs = tracker.client.search_runs(
-        [tracker.experiment_id],
-        filter_string=f"tags.status = '{STATUS_FINISHED}'",
-        order_by=["attributes.start_time DESC"],
-    )
+    runs = [  # MLflow's filter has no IN for tags
+        r
+        for status in DONE_STATUSES
+        for r in tracker.client.search_runs(
+            [tracker.experiment_id], filter_string=f"tags.status = '{status}'", max_results=50000
+        )
+    ]
+    runs.sort(key=lambda r: r.info.start_time, reverse=True)
     rows = {r.id: r for r in grid.rows}
-    records, seen = [], set()
+    current, seen = [], set()
     for r in runs:
         tags = r.data.tags
         row, seed, key = rows.get(tags.get("row")), int(tags.get("seed", -1)), tags.get("run_key")
@@ -49,8 +80,39 @@ def finished_runs(grid: Grid, scale: str, results_dir: Path, seeds: list[int] | 
         if key != run_key(grid.resolve(scale, row, seed)):
             continue
         seen.add(key)
-        records.append({"row": row.id, "seed": seed, "run_id": r.info.run_id, **r.data.metrics})
-    return pd.DataFrame.from_records(records, columns=["row", "seed", "run_id"] if not records else None)
+        current.append(r)
+    return runs_frame(current)
+
+
+FRAME_COLUMNS = ["row", "label", "seed", "run_id", "status", "gate"]
+
+
+def runs_frame(runs: list) -> pd.DataFrame:
+    """MLflow runs (``mlflow.search_runs(..., output_format="list")`` or the client's) as one
+    line per run: ``row``, ``label``, ``seed``, ``run_id``, ``status``, ``gate`` (see
+    :func:`gate_signature`) and every metric under its MLflow key."""
+    records = [
+        {
+            "row": r.data.tags.get("row"),
+            "label": r.data.tags.get("label"),
+            "seed": int(r.data.tags.get("seed", -1)),
+            "run_id": r.info.run_id,
+            "status": r.data.tags.get("status"),
+            "gate": gate_signature(r.data.params),
+            **r.data.metrics,
+        }
+        for r in runs
+    ]
+    return pd.DataFrame.from_records(records, columns=FRAME_COLUMNS if not records else None)
+
+
+def gate_signature(params: dict[str, str] | GateConfig | None) -> str:
+    """A run's gate as one comparable string, from its flattened params (``model.gate.*``) or
+    from a :class:`GateConfig`; ``"none"`` for the ungated baseline."""
+    if params is None or isinstance(params, GateConfig):
+        params = flatten({"model": {"gate": to_dict(params)}})
+    gate = {k.removeprefix("model.gate."): v for k, v in params.items() if k.startswith("model.gate.")}
+    return ",".join(f"{k}={v}" for k, v in sorted(gate.items())) or "none"
 
 
 def _mean_std(values: pd.Series) -> tuple[float, float]:
@@ -104,8 +166,15 @@ def _row_parameters(
 
 
 def build_table(grid: Grid, scale: str, runs: pd.DataFrame) -> pd.DataFrame:
-    """The numeric table: one line per grid row, our figures beside the paper's."""
+    """The numeric table: one line per grid row, our figures beside the paper's.
+
+    ``runs`` is :func:`finished_runs`' frame; diverged runs count in ``n_diverged`` only.
+    """
     paper = paper_table(grid.paper_table)
+    if "status" not in runs.columns:
+        runs = runs.assign(status=STATUS_FINISHED)
+    diverged = runs[runs["status"] == STATUS_DIVERGED].groupby("row").size().to_dict()
+    runs = runs[runs["status"] == STATUS_FINISHED]
     domains = sorted(
         c.removeprefix("val/ppl/") for c in runs.columns if c.startswith("val/ppl/") and c != "val/ppl/avg"
     )
@@ -113,19 +182,17 @@ def build_table(grid: Grid, scale: str, runs: pd.DataFrame) -> pd.DataFrame:
     by_row = {rid: g.set_index("seed") for rid, g in runs.groupby("row")} if len(runs) else {}
     base_runs = by_row.get(grid.baseline_row)
     paper_base = _paper_value(paper, grid.baseline, "avg_ppl")
+    nan2 = (math.nan, math.nan)
     lines = []
     for number, row, cell, total in _row_parameters(grid, scale):
         line: dict[str, object] = {"row": number, "id": row.id, "label": row.label}
         line["added_params_m"] = (total - baseline_total) / 1e6
         mine = by_row.get(row.id)
         for d in domains:
-            line[f"ppl_{d}"], line[f"ppl_{d}_std"] = (
-                _mean_std(mine[f"val/ppl/{d}"]) if mine is not None else (math.nan,) * 2
-            )
-        line["avg_ppl"], line["avg_ppl_std"] = (
-            _mean_std(mine["val/ppl/avg"]) if mine is not None else (math.nan,) * 2
-        )
+            line[f"ppl_{d}"], line[f"ppl_{d}_std"] = _stat(mine, f"val/ppl/{d}")
+        line["avg_ppl"], line["avg_ppl_std"] = _stat(mine, "val/ppl/avg")
         line["n_seeds"] = 0 if mine is None else int(mine["val/ppl/avg"].notna().sum())
+        line["n_diverged"] = int(diverged.get(row.id, 0))
         if row.id == grid.baseline_row and mine is not None:
             d, lo, hi = 0.0, math.nan, math.nan  # the reference itself: no interval to speak of
         elif mine is not None and base_runs is not None:
@@ -133,12 +200,31 @@ def build_table(grid: Grid, scale: str, runs: pd.DataFrame) -> pd.DataFrame:
         else:
             d = lo = hi = math.nan
         line["delta_avg_ppl"], line["delta_ci95_low"], line["delta_ci95_high"] = d, lo, hi
+        for column, (metric, _, _) in PROBE_COLUMNS.items():
+            line[column], line[f"{column}_std"] = _stat(mine, metric) if mine is not None else nan2
         line["paper_added_params_m"] = _paper_value(paper, row, "added_params_m")
         line["paper_avg_ppl"] = _paper_value(paper, row, "avg_ppl")
         line["paper_delta"] = line["paper_avg_ppl"] - paper_base
-        line["status"] = cell.unsupported or ("ok" if mine is not None else "not run")
+        for column in PROBE_COLUMNS:
+            line[f"paper_{column}"] = _paper_value(paper, row, column)
+        line["status"] = cell.unsupported or _status(mine is not None, line["n_diverged"])
         lines.append(line)
     return pd.DataFrame(lines)
+
+
+def _stat(runs: pd.DataFrame | None, metric: str) -> tuple[float, float]:
+    """Mean and sample std of ``metric`` over a row's runs (NaN where absent)."""
+    if runs is None or metric not in runs.columns:
+        return math.nan, math.nan
+    return _mean_std(runs[metric])
+
+
+def _status(finished: bool, n_diverged: int) -> str:
+    if n_diverged and not finished:
+        return "diverged"
+    if n_diverged:
+        return f"{n_diverged} seed(s) diverged"
+    return "ok" if finished else "not run"
 
 
 def _fmt_params(millions: float) -> str:
@@ -159,9 +245,10 @@ def _fmt_delta(d: float, lo: float, hi: float) -> str:
     return f"{d:+.3f}" + (f" [{lo:+.3f}, {hi:+.3f}]" if not math.isnan(lo) else "")
 
 
-def display_table(table: pd.DataFrame, baseline_id: str) -> pd.DataFrame:
+def display_table(table: pd.DataFrame, baseline_id: str, columns: tuple[str, ...] = ()) -> pd.DataFrame:
     """Human-readable strings for Markdown and LaTeX: missing cells are "—", never 0; the
-    baseline's Δ columns read "reference"."""
+    baseline's Δ columns read "reference"; ``columns`` names the probe columns to show
+    (keys of :data:`PROBE_COLUMNS`)."""
     domains = [
         c.removeprefix("ppl_") for c in table.columns if c.startswith("ppl_") and not c.endswith("_std")
     ]
@@ -169,14 +256,24 @@ def display_table(table: pd.DataFrame, baseline_id: str) -> pd.DataFrame:
     out["Added Param (M)"] = [_fmt_params(v) for v in table["added_params_m"]]
     for d in domains:
         out[f"PPL {d}"] = [_fmt(v, s) for v, s in zip(table[f"ppl_{d}"], table[f"ppl_{d}_std"])]
-    out["Avg PPL"] = [_fmt(v, s) for v, s in zip(table["avg_ppl"], table["avg_ppl_std"])]
+    out["Avg PPL"] = [
+        "diverged" if status == "diverged" else _fmt(v, s)
+        for v, s, status in zip(table["avg_ppl"], table["avg_ppl_std"], table["status"])
+    ]
     out["Δ Avg PPL"] = [
         _fmt_delta(*v) for v in zip(table["delta_avg_ppl"], table["delta_ci95_low"], table["delta_ci95_high"])
     ]
     out["Seeds"] = table["n_seeds"]
+    for column in columns:
+        _, heading, digits = PROBE_COLUMNS[column]
+        out[heading] = [_fmt(v, s, digits) for v, s in zip(table[column], table[f"{column}_std"])]
     out["Paper Added (M)"] = [_fmt_params(v) for v in table["paper_added_params_m"]]
     out["Paper Avg PPL"] = [_fmt(v) for v in table["paper_avg_ppl"]]
     out["Paper Δ"] = [_fmt_delta(v, math.nan, math.nan) for v in table["paper_delta"]]
+    for column in columns:
+        _, heading, digits = PROBE_COLUMNS[column]
+        if table[f"paper_{column}"].notna().any():
+            out[f"Paper {heading}"] = [_fmt(v, digits=digits) for v in table[f"paper_{column}"]]
     is_base = table["id"] == baseline_id
     out.loc[is_base, "Δ Avg PPL"] = "reference"
     out.loc[is_base & table["paper_delta"].notna(), "Paper Δ"] = "reference"
@@ -193,13 +290,15 @@ def table_paths(grid: Grid, scale: str, results_dir: Path) -> dict[str, Path]:
 def write_tables(
     grid: Grid, scale: str, results_dir: Path, command: str, seeds: list[int] | None = None
 ) -> dict[str, Path]:
-    """Write the table files from the tracking store; each file replaced atomically.
+    """Write the table files and the figures (``results/figures/``) from the tracking store,
+    each file replaced atomically; both also go to the experiment's ``report`` run as artifacts.
 
     Returns:
-        The written paths by extension.
+        The written paths by extension (tables) and by name (figures).
     """
-    table = build_table(grid, scale, finished_runs(grid, scale, results_dir, seeds))
-    shown = display_table(table, grid.baseline_row)
+    runs = finished_runs(grid, scale, results_dir, seeds)
+    table = build_table(grid, scale, runs)
+    shown = display_table(table, grid.baseline_row, grid.columns)
     paths = table_paths(grid, scale, results_dir)
     header = (
         f"# {grid.title}\n\n"
@@ -210,6 +309,8 @@ def write_tables(
         "\n\nPPL: perplexity on held-out validation documents per domain; Avg PPL is their mean. "
         "Δ: Avg PPL minus the baseline's, paired by seed (negative is better); from three seeds on, "
         "a 95% t-interval follows in brackets. Mean ± sample std over seeds. "
+        + "".join(COLUMN_NOTES[c] for c in grid.columns)
+        + 'A row whose every run diverged reads "diverged". '
         + (
             f"Paper columns: the paper's own numbers (`sweep/paper/{grid.paper_table}.csv`), "
             "for direction, not magnitude. "
@@ -221,7 +322,14 @@ def write_tables(
     _write_atomic(paths["md"], header + shown.to_markdown(index=False, disable_numparse=True) + notes)
     _write_atomic(paths["csv"], table.to_csv(index=False, float_format="%.6g"))
     _write_atomic(paths["tex"], shown.to_latex(index=False, escape=True))
-    return paths
+    from sweep.figures import write_figures  # matplotlib only when tables are written
+
+    tracker = Tracker(tracking_uri(results_dir), experiment_name(grid.name, scale))
+    figures = write_figures(runs, tracker.client, results_dir / "figures", paths["md"].stem)
+    report = tracker.report_run()
+    tracker.log_files(report, list(paths.values()), "tables")
+    tracker.log_files(report, list(figures.values()), "figures")
+    return {**paths, **figures}
 
 
 def params_table(grid: Grid, scale: str, rows: list[str] | None = None) -> pd.DataFrame:

@@ -4,21 +4,28 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import MLFlowLogger
 
 from experiments.corpus import build_corpus
 from experiments.data import CorpusDataModule
 from experiments.lit import LMModule, auto_precision
 from experiments.model import parameter_count
+from experiments.probes import probe_batch
+from experiments.stability import Diverged
 from sweep.grid import Cell, Grid
 from sweep.progress import ProgressPrinter, SweepClock
 from sweep.tracking import (
+    DONE_STATUSES,
+    STATUS_DIVERGED,
     STATUS_FAILED,
     STATUS_FINISHED,
     STATUS_RUNNING,
@@ -28,7 +35,8 @@ from sweep.tracking import (
     tracking_uri,
 )
 
-TRAINED, SKIPPED, UNSUPPORTED, FAILED = "trained", "skipped", "unsupported", "failed"
+TRAINED, SKIPPED, UNSUPPORTED, DIVERGED, FAILED = "trained", "skipped", "unsupported", "diverged", "failed"
+FINAL_CHECKPOINT = "final.ckpt"
 
 
 @dataclass
@@ -53,6 +61,11 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", ".*isinstance.treespec, LeafSpec.*")
 
 
+def checkpoint_dir(results_dir: Path, experiment: str, key: str) -> Path:
+    """Where a cell's checkpoints live: ``results/checkpoints/<experiment>/<run_key>/``."""
+    return results_dir / "checkpoints" / experiment / key
+
+
 def train_cell(
     cell: Cell,
     tracker: Tracker,
@@ -60,17 +73,41 @@ def train_cell(
     baseline_params: int,
     progress: ProgressPrinter,
     cache_root: Path | None,
+    checkpoints: Path,
 ) -> dict[str, float]:
-    """Train one cell into MLflow run ``run_id``; return its final metrics.
+    """Train one cell into MLflow run ``run_id``, probe it, and return its final metrics.
 
-    Logs ``params/total`` and ``params/added`` (against the grid's baseline row at this scale)
-    beside what :class:`LMModule` logs during training.
+    Logs ``params/total`` and ``params/added`` (against the grid's baseline row at this scale),
+    ``stability/loss_spikes`` with a ``stability.json`` artifact (the spike steps), and the
+    probes of ``experiments.probes`` (metrics at the last step, ``probes/`` artifacts) beside
+    what :class:`LMModule` logs during training. The training state is checkpointed every
+    ``train.checkpoint_every`` steps into ``checkpoints`` (the latest kept); a finished cell
+    leaves only the final weights, ``final.ckpt``.
+
+    Raises:
+        Diverged: the loss diverged; the last periodic checkpoint stays in ``checkpoints``.
     """
     cfg = cell.config
+    shutil.rmtree(checkpoints, ignore_errors=True)  # a cell starts afresh: no state of an earlier attempt
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = CorpusDataModule(cfg.data, cfg.train, cfg.seed, cache_root)
-    module = LMModule(cfg, datamodule.domains)
+    datamodule.setup()
+    probe_tokens, probe_record = probe_batch(datamodule.corpus, cfg.train.seq_len, cfg.train.probe_seqs)
+    tracker.log_json(run_id, probe_record, "probe_batch.json")
+    tracker.client.set_tag(run_id, "probe_sha256", probe_record["sha256"])
+    module = LMModule(cfg, datamodule.domains, probe_tokens)
     logger = MLFlowLogger(experiment_name=tracker.experiment, tracking_uri=tracker.uri, run_id=run_id)
+    callbacks: list[pl.Callback] = [progress]
+    if cfg.train.checkpoint_every:
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=checkpoints,
+                filename="step{step:06d}",
+                auto_insert_metric_name=False,
+                every_n_train_steps=cfg.train.checkpoint_every,
+                save_top_k=1,  # with no monitored metric: the latest only
+            )
+        )
     trainer = pl.Trainer(
         accelerator="auto",
         devices=1,
@@ -81,18 +118,39 @@ def train_cell(
         num_sanity_val_steps=0,
         log_every_n_steps=cfg.train.log_every,
         logger=logger,
-        callbacks=[progress],
-        enable_checkpointing=False,
+        callbacks=callbacks,
+        enable_checkpointing=bool(cfg.train.checkpoint_every),
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(module, datamodule=datamodule)
+    try:
+        trainer.fit(module, datamodule=datamodule)
+    finally:  # diverged or not, the spikes seen so far are data
+        spikes = module.spikes.spikes
+        tracker.log_metrics(run_id, {"stability/loss_spikes": len(spikes)}, step=trainer.global_step)
+        rule = {
+            "window": cfg.train.spike_window,
+            "z": cfg.train.spike_z,
+            "diverge_bound": module.diverge_bound,
+        }
+        tracker.log_json(
+            run_id, {"rule": rule, "spikes": [{"step": s, "loss": v} for s, v in spikes]}, "stability.json"
+        )
     if module.last_val_step != trainer.global_step:  # the last validation did not fall on the last step
         trainer.validate(module, datamodule=datamodule, verbose=False)
+    probes = module.probe()
+    tracker.log_metrics(run_id, probes.metrics(), step=trainer.global_step)
+    with tempfile.TemporaryDirectory() as tmp:
+        tracker.log_files(run_id, probes.save(Path(tmp)), "probes")
     final = dict(module.last_val)
     final["params/total"] = module.n_params
     final["params/added"] = module.n_params - baseline_params
     tracker.log_metrics(run_id, {k: final[k] for k in ("params/total", "params/added")})
+    final.update(probes.summary)
+    trainer.save_checkpoint(checkpoints / FINAL_CHECKPOINT, weights_only=True)
+    for old in checkpoints.glob("step*.ckpt"):
+        old.unlink()  # the run is done: its resumable state is no longer needed
+    tracker.client.set_tag(run_id, "checkpoint", str(checkpoints / FINAL_CHECKPOINT))
     return final
 
 
@@ -131,9 +189,9 @@ def run_sweep(
         if cell.unsupported:
             outcomes[id(cell)] = Outcome(cell, UNSUPPORTED, note=cell.unsupported)
             continue
-        done = tracker.finished_run(cell.run_key)
+        done = tracker.done_run(cell.run_key)
         if done is not None and not force:
-            outcomes[id(cell)] = Outcome(cell, SKIPPED, note="finished earlier")
+            outcomes[id(cell)] = Outcome(cell, SKIPPED, note=f"{done.data.tags['status']} earlier")
             continue
         todo.append(cell)
     out(
@@ -151,10 +209,28 @@ def run_sweep(
         prefix = f"[{i:>{len(str(len(todo)))}}/{len(todo)}] {cell.row.id} s{cell.seed}"
         run_id = tracker.start_cell(cell)
         started = time.perf_counter()
+        checkpoints = checkpoint_dir(results_dir, tracker.experiment, cell.run_key)
         try:
             final = train_cell(
-                cell, tracker, run_id, baseline_params, ProgressPrinter(prefix, clock, out), cache_root
+                cell,
+                tracker,
+                run_id,
+                baseline_params,
+                ProgressPrinter(prefix, clock, out),
+                cache_root,
+                checkpoints,
             )
+        except Diverged as err:  # a result, as Table 2's "-" rows: recorded, and the sweep goes on
+            kept = sorted(checkpoints.glob("step*.ckpt"))
+            if kept:
+                tracker.client.set_tag(run_id, "checkpoint", str(kept[-1]))
+            tracker.log_metrics(run_id, {"stability/diverged_step": err.step}, step=err.step)
+            tracker.finish(run_id, STATUS_DIVERGED, str(err))
+            outcomes[id(cell)] = Outcome(cell, DIVERGED, time.perf_counter() - started, note=str(err))
+            where = f"; last good checkpoint {kept[-1]}" if kept else "; no checkpoint yet"
+            out(f"{prefix} DIVERGED: {err}{where}")
+            clock.cell_done(time.perf_counter() - started)
+            continue
         except Exception as err:  # one bad cell must not stop the sweep
             tracker.finish(run_id, STATUS_FAILED, f"{type(err).__name__}: {err}")
             outcomes[id(cell)] = Outcome(
@@ -166,7 +242,7 @@ def run_sweep(
         seconds = time.perf_counter() - started
         tracker.finish(run_id, STATUS_FINISHED)
         for old in earlier:  # FORCE: the old result steps aside only once the new one exists
-            if old.data.tags.get("status") == STATUS_FINISHED:
+            if old.data.tags.get("status") in DONE_STATUSES:
                 tracker.client.set_tag(old.info.run_id, "status", STATUS_SUPERSEDED)
         clock.cell_done(seconds)
         outcomes[id(cell)] = Outcome(cell, TRAINED, seconds)
@@ -175,11 +251,16 @@ def run_sweep(
             for key, value in final.items()
             if key.startswith("val/ppl/") and key != "val/ppl/avg"
         )
-        out(f"{prefix} done in {seconds:.0f} s: Avg PPL {final['val/ppl/avg']:.2f} ({domains})")
+        probes = f"F-Attn {final['sink/first_token_attn']:.3f}, M-Act {final['act/max_mean']:.1f}"
+        if "gate/score_mean" in final:
+            probes += f", gate score {final['gate/score_mean']:.3f}"
+        out(f"{prefix} done in {seconds:.0f} s: Avg PPL {final['val/ppl/avg']:.2f} ({domains}); {probes}")
     return [outcomes[id(c)] for c in cells]
 
 
 def summary_line(outcomes: list[Outcome]) -> str:
-    """``trained 13, skipped 0, unsupported 1, failed 0``."""
-    counts = {s: sum(o.status == s for o in outcomes) for s in (TRAINED, SKIPPED, UNSUPPORTED, FAILED)}
+    """``trained 13, skipped 0, unsupported 1, diverged 0, failed 0``."""
+    counts = {
+        s: sum(o.status == s for o in outcomes) for s in (TRAINED, SKIPPED, UNSUPPORTED, DIVERGED, FAILED)
+    }
     return ", ".join(f"{k} {v}" for k, v in counts.items())

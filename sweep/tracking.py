@@ -21,6 +21,9 @@ STATUS_FINISHED = "finished"
 STATUS_FAILED = "failed"
 STATUS_RUNNING = "running"
 STATUS_SUPERSEDED = "superseded"  # a finished run replaced by a FORCE retrain; kept for history
+STATUS_DIVERGED = "diverged"  # a result, like finished: the loss blew up (Table 2 prints "-")
+#: Statuses whose run is a result: a sweep skips the cell and the tables count it.
+DONE_STATUSES = (STATUS_FINISHED, STATUS_DIVERGED)
 
 
 class TrackingError(RuntimeError):
@@ -96,9 +99,9 @@ class Tracker:
             order_by=["attributes.start_time DESC"],
         )
 
-    def finished_run(self, run_key: str) -> Any | None:
-        """The run of ``run_key`` whose ``status`` tag is ``finished``, if any."""
-        return next((r for r in self.runs_for(run_key) if r.data.tags.get("status") == STATUS_FINISHED), None)
+    def done_run(self, run_key: str) -> Any | None:
+        """The newest run of ``run_key`` that is a result (``finished`` or ``diverged``), if any."""
+        return next((r for r in self.runs_for(run_key) if r.data.tags.get("status") in DONE_STATUSES), None)
 
     def start_cell(self, cell: Cell, extra_tags: dict[str, str] | None = None) -> str:
         """Create the cell's run with its tags, flattened params and resolved config; return its id."""
@@ -110,6 +113,7 @@ class Tracker:
             "seed": str(cell.seed),
             "run_key": cell.run_key,
             "status": STATUS_RUNNING,
+            "kind": "cell",  # the report run of the experiment has kind=report
             **(extra_tags or {}),
         }
         run = self.client.create_run(self.experiment_id, run_name=f"{cell.row.id}-s{cell.seed}", tags=tags)
@@ -125,17 +129,42 @@ class Tracker:
             self.client.log_artifact(run_id, str(path))
         return run_id
 
+    def report_run(self) -> str:
+        """The experiment's one run tagged ``kind=report`` (created on first use); it holds the
+        tables and figures as artifacts and never counts as a cell."""
+        found = self.client.search_runs([self.experiment_id], filter_string="tags.kind = 'report'")
+        if found:
+            return found[0].info.run_id
+        run = self.client.create_run(self.experiment_id, run_name="report", tags={"kind": "report"})
+        self.client.set_terminated(run.info.run_id, "FINISHED")
+        return run.info.run_id
+
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
-        """Log scalar metrics at ``step``."""
-        for key, value in metrics.items():
-            self.client.log_metric(run_id, key, float(value), step=step)
+        """Log scalar metrics at ``step`` (batched: one request per 1000 metrics)."""
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        for i in range(0, len(batch), 1000):
+            self.client.log_batch(run_id, metrics=batch[i : i + 1000])
+
+    def log_files(self, run_id: str, paths: list[Path], folder: str | None = None) -> None:
+        """Upload files as artifacts of ``run_id`` under ``folder``."""
+        for path in paths:
+            self.client.log_artifact(run_id, str(path), folder)
+
+    def log_json(self, run_id: str, payload: Any, name: str) -> None:
+        """Store ``payload`` as the JSON artifact ``name`` of ``run_id``."""
+        self.client.log_dict(run_id, payload, name)
 
     def finish(self, run_id: str, status: str, note: str | None = None) -> None:
         """Set the ``status`` tag and end the run (FINISHED, or FAILED for any other status)."""
         self.client.set_tag(run_id, "status", status)
         if note:
             self.client.set_tag(run_id, "status_note", note[:5000])
-        self.client.set_terminated(run_id, "FINISHED" if status == STATUS_FINISHED else "FAILED")
+        self.client.set_terminated(run_id, "FINISHED" if status in DONE_STATUSES else "FAILED")
 
     def delete(self, run_id: str) -> None:
         """Move a run to MLflow's deleted lifecycle stage (restorable until ``mlflow gc``)."""

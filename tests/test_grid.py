@@ -133,6 +133,8 @@ BAD = {
     ),
     "empty_rows": (GOOD.split("rows:")[0] + "rows: []\n", "rows: must be a non-empty list of rows", None),
     "unknown_scale": (GOOD, "unknown scale 'huge'; defined: tiny", "huge"),
+    "missing_inherited_grid": (GOOD + "inherit: nowhere.yaml\n", "inherit: inherited grid", None),
+    "bad_table_column": (GOOD + "columns: [ppl]\n", "columns: must be a list of gate_score", None),
 }
 
 
@@ -199,3 +201,20 @@ def test_bad_seeds_are_rejected(tmp_path: Path, seeds: str) -> None:
 def test_unknown_paper_table_is_rejected_before_training(tmp_path: Path) -> None:
     with pytest.raises(GridError, match="paper_table: unknown paper table 'table9'; known: architectures"):
         load_grid(write(tmp_path, "paper_table: table9\n" + GOOD))
+
+
+def test_tables_3_and_4_inherit_table1s_model_and_scales() -> None:
+    table1, table3, table4 = (load_grid(ROOT / "grids" / f"table{n}.yaml") for n in (1, 3, 4))
+    for scale in ("tiny", "small", "paper"):
+        base = table1.baseline_config(scale)
+        assert table3.baseline_config(scale) == base and table4.baseline_config(scale) == base
+    assert len(table3.rows) == len(table4.rows) == 7
+    assert [r.paper_row for r in table4.rows] == list(range(1, 8))
+    assert table4.columns == ("gate_score", "m_act", "f_attn")
+    g = {r.id: table4.resolve("tiny", r, 0).model.gate for r in table4.rows}
+    assert g["sdpa_input_independent"].input_dependent is False
+    assert g["sdpa_ns_sigmoid"].activation == "ns_sigmoid"
+    assert {r.id: table3.resolve("tiny", r, 0).model.gate.kind for r in table3.rows[4:6]} == {
+        "sdpa_group_norm": "rmsnorm",
+        "sdpa_silu": "silu",
+    }

@@ -8,6 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
+from conftest import MICRO, ROOT
 from mlflow import MlflowClient
 
 from experiments.config import RunConfig, from_dict
@@ -15,45 +16,12 @@ from sweep.cli import main
 from sweep.grid import load_grid
 from sweep.report import build_table, paired_delta
 
-ROOT = Path(__file__).resolve().parents[1]
 
-MICRO = """\
-name: micro
-title: "Micro sweep"
-paper_table: table1_moe
-base:
-  model: {vocab_size: 512, d_model: 32, n_layers: 2, n_heads: 4, n_kv_heads: 2, head_dim: 8,
-          ffn_dim: 64, max_seq_len: 32}
-  train: {max_steps: 8, batch_size: 4, seq_len: 32, warmup_steps: 2, val_every: 4, val_tokens: 512,
-          max_lr: 2e-3}
-  data: {vocab_size: 512, max_chars_per_source: 200000}
-scales: {tiny: {}}
-rows:
-  - {id: baseline, label: "Baseline", paper_row: 1}
-  - {id: sdpa_elementwise, label: "SDPA elementwise (G1)", paper_row: 5, model: {gate: {position: sdpa}}}
-  - {id: add_experts, label: "Add 4 experts", paper_row: 4, requires: [moe]}
-"""
-
-
-@pytest.fixture(scope="module")
-def micro(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Run the micro sweep once; the corpus cache is the repository's own (real packages)."""
-    tmp = tmp_path_factory.mktemp("micro")
-    grid = tmp / "micro.yaml"
-    grid.write_text(MICRO)
-    results = tmp / "results"
-    mp = pytest.MonkeyPatch()
-    mp.setenv("GATED_ATTN_CACHE", str(ROOT / ".cache"))
-    mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-    code = main(["sweep", "--grid", str(grid), "--results", str(results)])
-    yield {"code": code, "grid": grid, "results": results, "mp": mp}
-    mp.undo()
-
-
-def _runs(results: Path) -> list:
+def _runs(results: Path) -> tuple[MlflowClient, list]:
+    """The store's client and its cell runs (not the report run that holds tables and figures)."""
     client = MlflowClient(tracking_uri=f"sqlite:///{results / 'mlflow.db'}")
     exp = client.get_experiment_by_name("micro-tiny")
-    return client, client.search_runs([exp.experiment_id])
+    return client, client.search_runs([exp.experiment_id], "tags.kind = 'cell'")
 
 
 @pytest.mark.slow
@@ -111,7 +79,7 @@ def test_second_sweep_trains_nothing_and_writes_the_same_table(
     assert main(["sweep", "--grid", str(micro["grid"]), "--results", str(micro["results"])]) == 0
     out = capsys.readouterr().out
     assert "0 to train, 2 finished earlier, 1 unsupported" in out
-    assert "trained 0, skipped 2, unsupported 1, failed 0" in out
+    assert "trained 0, skipped 2, unsupported 1, diverged 0, failed 0" in out
     _, runs = _runs(micro["results"])
     assert len(runs) == 2
     assert (micro["results"] / "micro.csv").read_text() == before
@@ -195,3 +163,46 @@ def test_a_last_step_off_the_validation_grid_is_still_validated(
         5,
     ]  # in-fit at Lightning's 0-based index, then after the last step
     assert runs[0].data.metrics["val/ppl/avg"] == history[-1].value
+
+
+@pytest.mark.slow
+def test_probes_every_validation_when_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GATED_ATTN_CACHE", str(ROOT / ".cache"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    grid = tmp_path / "g.yaml"
+    grid.write_text(MICRO.replace("max_lr: 2e-3}", "max_lr: 2e-3, probe_every: 1}"))
+    args = ["sweep", "--grid", str(grid), "--results", str(tmp_path / "r"), "--rows", "sdpa_elementwise"]
+    assert main(args) == 0
+    client, runs = _runs(tmp_path / "r")
+    (run,) = runs
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "gate/score_mean")]
+    assert steps[:2] == [4, 8] and len(steps) == 3  # after each validation, then the final probe
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "probes")} == {
+        "probes/probes.json",
+        "probes/gate_hist.npz",
+    }
+
+
+@pytest.mark.slow
+def test_tables_write_the_figures_and_a_report_run_holds_them(micro: dict) -> None:
+    import matplotlib.image
+
+    figures = micro["results"] / "figures"
+    names = ["micro_loss_curves.png", "micro_first_token_attention.png", "micro_gate_scores.png"]
+    for name in names:
+        image = matplotlib.image.imread(figures / name)
+        assert image.ndim == 3 and min(image.shape[:2]) > 200  # a real raster, not an empty file
+    client = MlflowClient(tracking_uri=f"sqlite:///{micro['results'] / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("micro-tiny")
+    (report,) = client.search_runs([exp.experiment_id], "tags.kind = 'report'")
+    stored = {
+        a.path for folder in ("figures", "tables") for a in client.list_artifacts(report.info.run_id, folder)
+    }
+    assert {f"figures/{n}" for n in names} | {"tables/micro.md", "tables/micro.csv"} <= stored
+    table = pd.read_csv(micro["results"] / "micro.csv").set_index("id")
+    _, runs = _runs(micro["results"])
+    gated = next(r for r in runs if r.data.tags["row"] == "sdpa_elementwise")
+    assert table.loc["sdpa_elementwise", "gate_score"] == pytest.approx(gated.data.metrics["gate/score_mean"])
+    assert math.isnan(table.loc["baseline", "gate_score"])  # no gate, no score: missing, not zero
+    for column in ("m_act", "f_attn", "loss_spikes"):
+        assert table[column].iloc[:2].notna().all()
