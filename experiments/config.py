@@ -216,6 +216,15 @@ class TrainConfig:
         for name in ("probe_every", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"must be 0 or more, got {getattr(self, name)}")
+        if self.spike_window < 2:
+            raise ConfigError(
+                "spike_window", f"must be at least 2 (a standard deviation), got {self.spike_window}"
+            )
+        if self.diverge_factor <= 1:
+            raise ConfigError(
+                "diverge_factor",
+                f"must exceed 1 (the loss at initialisation is ln V), got {self.diverge_factor}",
+            )
         if not 0 < self.min_lr <= self.max_lr:
             raise ConfigError("min_lr", f"must be in (0, max_lr={self.max_lr}], got {self.min_lr}")
         if not 0 <= self.warmup_steps < self.max_steps:

@@ -13,7 +13,7 @@ from torch import nn
 from experiments.config import RunConfig, TrainConfig
 from experiments.model import GatedLM, count_parameters
 from experiments.probes import ProbeResult, run_probes
-from experiments.stability import SpikeDetector, check_divergence, divergence_bound
+from experiments.stability import Diverged, SpikeDetector, check_divergence, divergence_bound
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -47,8 +47,10 @@ class LMModule(pl.LightningModule):
     Every step's loss is checked: a loss spike (``experiments.stability``) is logged at once as
     ``stability/spike`` (value: the loss, step: the step); a diverged loss raises
     :class:`~experiments.stability.Diverged` before the backward pass, so no optimiser step is
-    taken on it. With ``probe_tokens`` and ``train.probe_every`` > 0, the probes of
-    ``experiments.probes`` run after every ``probe_every``-th validation and log at its step.
+    taken on it, nor on a non-finite gradient norm. With ``probe_tokens`` and
+    ``train.probe_every`` > 0, the probes of ``experiments.probes`` run after every
+    ``probe_every``-th validation and log beside its ``val/*`` metrics (same step), except at the
+    last step, which the sweep probes once after training.
 
     Args:
         cfg: the run configuration.
@@ -98,7 +100,10 @@ class LMModule(pl.LightningModule):
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         norms = [p.grad.detach().norm() for p in self.model.parameters() if p.grad is not None]
-        self.log("train/grad_norm", torch.stack(norms).norm(), on_step=True, logger=True)
+        grad_norm = torch.stack(norms).norm()
+        if not torch.isfinite(grad_norm):  # the step would write non-finite weights
+            raise Diverged(self.global_step, float(grad_norm), math.inf, what="gradient norm")
+        self.log("train/grad_norm", grad_norm, on_step=True, logger=True)
 
     def on_validation_epoch_start(self) -> None:
         self._nll_sum.zero_()
@@ -122,8 +127,9 @@ class LMModule(pl.LightningModule):
             self.log(key, value, logger=True)
         self.validations += 1
         every = self.cfg.train.probe_every
-        if every and self.validations % every == 0 and self.probe_tokens is not None and self.logger:
-            self.logger.log_metrics(self.probe().metrics(), step=self.global_step)
+        last = self.global_step >= self.cfg.train.max_steps
+        if every and self.validations % every == 0 and self.probe_tokens is not None and not last:
+            self.log_dict(self.probe().metrics(), logger=True)
 
     def probe(self) -> ProbeResult:
         """Run the probes on the probe batch (see ``experiments.probes``)."""

@@ -51,9 +51,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_dim, cfg.d_model, bias=False)
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
-        #: Probe mode: compute attention with an explicit softmax and keep the probabilities.
+        #: Probe mode: compute attention with an explicit softmax and keep the probabilities on
+        #: key 0 (the attention sink), not the whole (B, H, T, T) map, so probing fits at scale.
         self.keep_attention = False
-        self.last_attention: torch.Tensor | None = None  # (B, H, T, T) in probe mode
+        self.last_attention: torch.Tensor | None = None  # (B, H, T, 1) in probe mode
 
     def _gated(self, position: str, y: torch.Tensor, gate_logits: torch.Tensor | None) -> torch.Tensor:
         return self.gate(y, gate_logits) if position == self.gate_position else y
@@ -80,14 +81,14 @@ class Attention(nn.Module):
         return out
 
     def _explicit_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Softmax attention with the probabilities kept in ``last_attention`` (probe mode only)."""
+        """Softmax attention; the probabilities on key 0 go to ``last_attention`` (probe mode only)."""
         groups = self.n_heads // self.n_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         t = q.shape[2]
         logits = (q @ k.transpose(-1, -2)) * self.head_dim**-0.5
         causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
         probs = logits.masked_fill(~causal, float("-inf")).softmax(dim=-1)
-        self.last_attention = probs.detach()
+        self.last_attention = probs[..., :1].detach()
         return probs @ v
 
 

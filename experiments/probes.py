@@ -4,7 +4,8 @@ Per layer ``l`` of the probe batch (the same held-out tokens for every run of a 
 
 - **Gate score** (Table 4, Figures 3 and 7): mean, quantiles and fractions below 0.1 / 0.5 of
   the gate's scores act(XW); per head for headwise and head-specific gates. The table's value
-  is the mean over layers.
+  is the mean over layers. Only multiplicative gates have scores: an additive gate's act(XW) is
+  an offset, not a factor in [0, 1], so it gets no gate statistics.
 - **F-Attn** (Table 4, Figure 2): attention probability on key position 0, averaged over
   heads, query positions and sequences (the paper's "first-token attention"; query 0, which can
   only attend to itself, is included as in the reference reproduction's "paper_style").
@@ -16,14 +17,16 @@ Per layer ``l`` of the probe batch (the same held-out tokens for every run of a 
   control: the pre-gate values times the layer's mean gate score. Without a G1 gate, "before"
   and "after" are the same tensor and there is no control.
 
-Quantiles are exact up to :data:`QUANTILE_SAMPLES` scores per layer, and taken over a seeded
-random sample of that size beyond (every other statistic is exact).
+Quantiles are exact when a layer has at most :data:`QUANTILE_SAMPLES` scores on the probe
+batch, and otherwise taken over a seeded uniform sample (with replacement) of about that many,
+drawn in proportion to each chunk's size; every other statistic is exact.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +41,7 @@ SCORE_THRESHOLDS = (0.1, 0.5)
 SPARSITY_THRESHOLDS = (1e-2, 1e-3)
 QUANTILE_SAMPLES = 1_000_000
 HIST_BINS = 50  # gate-score histogram over [0, 1]; scores outside fall into the end bins
+ATTENTION_BUDGET = 2**28  # attention probabilities per layer one probe forward may hold (1 GiB fp32)
 
 
 # --- the statistics, as pure functions --------------------------------------------------------------
@@ -47,7 +51,8 @@ def first_token_attention(probs: torch.Tensor) -> torch.Tensor:
     """Attention mass on key 0 per head, averaged over sequences and query positions.
 
     Args:
-        probs: (B, H, T, T) attention probabilities, rows summing to 1.
+        probs: (B, H, T, S) attention probabilities (rows summing to 1 over all T keys), of
+            which only key 0 is read: the full map (S = T) or the column probe mode keeps (S = 1).
 
     Returns:
         (H,) float64.
@@ -184,19 +189,25 @@ class ProbeResult:
 
 
 @torch.no_grad()
-def run_probes(model: GatedLM, tokens: torch.Tensor, chunk: int = 4, seed: int = 0) -> ProbeResult:
-    """Probe ``model`` on ``tokens`` (N, T), ``chunk`` sequences per forward pass.
+def run_probes(model: GatedLM, tokens: torch.Tensor, chunk: int | None = None, seed: int = 0) -> ProbeResult:
+    """Probe ``model`` on ``tokens`` (N, T), on the model's device, in float32.
 
     The model is put in probe mode (explicit softmax, residual stream and gate scores kept) for
     the call and restored after, train/eval mode included. Runs twice over the batch when the
     model has a multiplicative G1 gate: the Figure 5 control needs each layer's mean score first.
+
+    Args:
+        chunk: sequences per forward pass; default: as many as keep one layer's (chunk, H, T, T)
+            attention map within :data:`ATTENTION_BUDGET` entries (at least one).
     """
+    heads, t = model.cfg.n_heads, tokens.shape[1]
+    chunk = chunk or max(1, ATTENTION_BUDGET // (heads * t * t))
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     attns = [b.attn for b in model.blocks]
     gates = [a.gate for a in attns]
-    gated = gates[0] is not None and gates[0].cfg.kind == "gate"
+    gated = gates[0] is not None and gates[0].cfg.kind == "gate" and gates[0].cfg.combine == "multiplicative"
     g1 = gated and gates[0].cfg.position == "sdpa"
     captured: dict[int, dict[str, torch.Tensor]] = {i: {} for i in range(len(attns))}
     hooks = []
@@ -206,14 +217,13 @@ def run_probes(model: GatedLM, tokens: torch.Tensor, chunk: int = 4, seed: int =
             hooks.append(a.gate.register_forward_pre_hook(_capture(captured[i], "pre")))
     stats = [_LayerStats() for _ in attns]
     generator = torch.Generator().manual_seed(seed)
-    n_chunks = -(-len(tokens) // chunk)
     _set_probe_mode(model, True)
     try:
         for start in range(0, len(tokens), chunk):
             model(tokens[start : start + chunk].to(device))
             for i, a in enumerate(attns):
-                _accumulate(stats[i], a, model.hidden_states[i], captured[i], generator, n_chunks)
-        if g1 and gates[0].cfg.combine == "multiplicative":
+                _accumulate(stats[i], a, model.hidden_states[i], captured[i], generator, len(tokens), gated)
+        if g1:
             means = [s.score_sum / s.score_n for s in stats]
             for start in range(0, len(tokens), chunk):
                 model(tokens[start : start + chunk].to(device))
@@ -255,13 +265,15 @@ def _accumulate(
     hidden: torch.Tensor,
     captured: dict[str, torch.Tensor],
     generator: torch.Generator,
-    n_chunks: int,
+    n_total: int,
+    gated: bool,
 ) -> None:
-    probs = attn.last_attention  # (B, H, T, T)
+    probs = attn.last_attention  # (B, H, T, 1): the probabilities on key 0
     per_head = first_token_attention(probs) * probs.shape[0] * probs.shape[2]
     s.f_attn_sum = per_head if s.f_attn_sum is None else s.f_attn_sum + per_head
     s.f_attn_n += probs.shape[0] * probs.shape[2]
-    s.m_act = max(s.m_act, max_abs_activation(hidden))
+    m_act = max_abs_activation(hidden)
+    s.m_act = math.nan if math.isnan(m_act) or math.isnan(s.m_act) else max(s.m_act, m_act)
     post = captured["post"].float()
     pre = captured.get("pre", post).float()
     s.values_n += post.numel()
@@ -270,7 +282,7 @@ def _accumulate(
     for t in SPARSITY_THRESHOLDS:
         s.post_below[t] = s.post_below.get(t, 0) + int((post.abs() < t).sum())
     gate = attn.gate
-    if gate is None or gate.recorded_scores is None:
+    if not gated or gate.recorded_scores is None:
         return
     scores = gate.recorded_scores.float()  # (B, T, H_g, W)
     s.score_sum += float(scores.double().sum())
@@ -282,9 +294,10 @@ def _accumulate(
         s.score_below[t] = s.score_below.get(t, 0) + int((scores < t).sum())
     flat = scores.flatten()
     s.hist += torch.histc(flat.clamp(0.0, 1.0), bins=HIST_BINS, min=0.0, max=1.0).long().cpu().numpy()
-    keep = QUANTILE_SAMPLES // n_chunks
-    if flat.numel() > keep:
-        flat = flat[torch.randperm(flat.numel(), generator=generator)[:keep]]
+    per_layer = flat.numel() * n_total / scores.shape[0]  # this layer's scores on the whole batch
+    if per_layer > QUANTILE_SAMPLES:
+        keep = round(QUANTILE_SAMPLES * scores.shape[0] / n_total)
+        flat = flat[torch.randint(flat.numel(), (keep,), generator=generator).to(flat.device)]
     s.scores.append(flat.cpu().numpy())
 
 

@@ -6,7 +6,9 @@ deviations of those losses. Every finite loss, spikes included, then enters the 
 spike can be called before the window is full.
 
 Divergence: a non-finite loss, or a loss above ``factor * ln(V)``; ``ln V`` nats is what a
-uniform prediction over the vocabulary costs, so a model that far above it has blown up.
+uniform prediction over the vocabulary costs, so a model that far above it has blown up. A
+non-finite gradient norm is divergence too (a finite loss can still back-propagate NaN), caught
+before the optimiser step so no checkpoint ever holds non-finite weights.
 """
 
 from __future__ import annotations
@@ -16,17 +18,18 @@ from collections import deque
 
 
 class Diverged(RuntimeError):
-    """Training stopped because the loss diverged.
+    """Training stopped because the loss (or the gradient) diverged.
 
     Attributes:
-        step: the optimiser step (0-based) whose loss diverged.
-        loss: that loss (may be NaN or inf).
+        step: the optimiser step (0-based) that diverged.
+        loss: the value that diverged (may be NaN or inf).
+        what: ``"training loss"`` or ``"gradient norm"``.
     """
 
-    def __init__(self, step: int, loss: float, bound: float) -> None:
-        self.step, self.loss, self.bound = step, loss, bound
+    def __init__(self, step: int, loss: float, bound: float, what: str = "training loss") -> None:
+        self.step, self.loss, self.bound, self.what = step, loss, bound, what
         why = "is not finite" if not math.isfinite(loss) else f"exceeds the bound {bound:.3g}"
-        super().__init__(f"training loss {loss:.4g} at step {step} {why}")
+        super().__init__(f"{what} {loss:.4g} at step {step} {why}")
 
 
 def divergence_bound(vocab_size: int, factor: float) -> float:

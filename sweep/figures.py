@@ -18,6 +18,7 @@ from matplotlib.figure import Figure
 
 from experiments.config import GateConfig
 from sweep.report import gate_signature
+from sweep.tracking import STATUS_FINISHED
 
 BASELINE = gate_signature(None)
 SDPA_ELEMENTWISE = gate_signature(GateConfig(position="sdpa"))
@@ -68,14 +69,14 @@ def loss_figure(runs: pd.DataFrame, client) -> Figure | None:
 def first_token_figure(runs: pd.DataFrame) -> Figure | None:
     """Figure 2 (left): F-Attn per layer for every row (mean over seeds); the baseline in black."""
     layer_cols = sorted(c for c in runs.columns if c.startswith("sink/first_token_attn/L"))
-    runs = runs.dropna(subset=layer_cols)  # diverged runs were never probed
+    runs = runs[runs["status"] == STATUS_FINISHED]  # a diverged run's probes are mid-training at best
     if not layer_cols or runs.empty:
         return None
     fig = Figure(figsize=(7, 4), layout="constrained")
     ax = fig.add_subplot()
     layers = np.arange(len(layer_cols))
     for (label, gate), group in runs.groupby(["label", "gate"], sort=False):
-        values = group[layer_cols].mean().to_numpy()
+        values = group[layer_cols].mean().dropna().to_numpy()  # mean over seeds; depth may vary
         base = gate == BASELINE
         ax.plot(
             layers,
@@ -112,6 +113,7 @@ def gate_score_figure(runs: pd.DataFrame, client) -> Figure | None:
     """Figure 3: gate-score distributions (all layers, all seeds) of the SDPA elementwise, value
     elementwise and SDPA head-shared gates present in ``runs``, each with its mean."""
     panels = []
+    runs = runs[runs["status"] == STATUS_FINISHED]
     for name, gate in FIGURE3_GATES.items():
         chosen = runs[runs["gate"] == gate]
         hist = gate_histogram(client, list(chosen["run_id"])) if len(chosen) else None

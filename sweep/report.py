@@ -69,7 +69,17 @@ def finished_runs(grid: Grid, scale: str, results_dir: Path, seeds: list[int] | 
             [tracker.experiment_id], filter_string=f"tags.status = '{status}'", max_results=50000
         )
     ]
-    runs.sort(key=lambda r: r.info.start_time, reverse=True)
+    return current_runs(grid, scale, runs, seeds)
+
+
+def current_runs(grid: Grid, scale: str, runs: list, seeds: list[int] | None = None) -> pd.DataFrame:
+    """:func:`runs_frame` of the runs that are the grid's current result: one per (row, seed),
+    the newest whose ``run_key`` matches the grid today and whose status is a result."""
+    runs = sorted(
+        (r for r in runs if r.data.tags.get("status") in DONE_STATUSES),
+        key=lambda r: r.info.start_time,
+        reverse=True,
+    )
     rows = {r.id: r for r in grid.rows}
     current, seen = [], set()
     for r in runs:

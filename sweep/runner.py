@@ -61,9 +61,12 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", ".*isinstance.treespec, LeafSpec.*")
 
 
-def checkpoint_dir(results_dir: Path, experiment: str, key: str) -> Path:
-    """Where a cell's checkpoints live: ``results/checkpoints/<experiment>/<run_key>/``."""
-    return results_dir / "checkpoints" / experiment / key
+def checkpoint_dir(results_dir: Path, experiment: str, run_id: str) -> Path:
+    """Where one run's checkpoints live: ``results/checkpoints/<experiment>/<run_id>/``.
+
+    Per run, not per cell: a FORCE retrain never touches the checkpoint of the result it may
+    replace."""
+    return results_dir / "checkpoints" / experiment / run_id
 
 
 def train_cell(
@@ -82,13 +85,13 @@ def train_cell(
     probes of ``experiments.probes`` (metrics at the last step, ``probes/`` artifacts) beside
     what :class:`LMModule` logs during training. The training state is checkpointed every
     ``train.checkpoint_every`` steps into ``checkpoints`` (the latest kept); a finished cell
-    leaves only the final weights, ``final.ckpt``.
+    leaves only the final weights, ``final.ckpt``, saved before probing. A probe that fails
+    (out of memory, say) leaves a finished run without probe metrics and a ``probe_error`` tag.
 
     Raises:
         Diverged: the loss diverged; the last periodic checkpoint stays in ``checkpoints``.
     """
     cfg = cell.config
-    shutil.rmtree(checkpoints, ignore_errors=True)  # a cell starts afresh: no state of an earlier attempt
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = CorpusDataModule(cfg.data, cfg.train, cfg.seed, cache_root)
     datamodule.setup()
@@ -138,19 +141,24 @@ def train_cell(
         )
     if module.last_val_step != trainer.global_step:  # the last validation did not fall on the last step
         trainer.validate(module, datamodule=datamodule, verbose=False)
-    probes = module.probe()
-    tracker.log_metrics(run_id, probes.metrics(), step=trainer.global_step)
-    with tempfile.TemporaryDirectory() as tmp:
-        tracker.log_files(run_id, probes.save(Path(tmp)), "probes")
     final = dict(module.last_val)
     final["params/total"] = module.n_params
     final["params/added"] = module.n_params - baseline_params
     tracker.log_metrics(run_id, {k: final[k] for k in ("params/total", "params/added")})
-    final.update(probes.summary)
     trainer.save_checkpoint(checkpoints / FINAL_CHECKPOINT, weights_only=True)
     for old in checkpoints.glob("step*.ckpt"):
-        old.unlink()  # the run is done: its resumable state is no longer needed
+        old.unlink()  # the run is done: only its final weights are kept
     tracker.client.set_tag(run_id, "checkpoint", str(checkpoints / FINAL_CHECKPOINT))
+    module.to(trainer.strategy.root_device)  # Lightning's teardown moved it to the CPU
+    try:
+        probes = module.probe()
+    except (RuntimeError, ValueError) as err:  # torch reports out-of-memory as a RuntimeError
+        tracker.client.set_tag(run_id, "probe_error", f"{type(err).__name__}: {err}"[:5000])
+        return final
+    tracker.log_metrics(run_id, probes.metrics(), step=trainer.global_step)
+    with tempfile.TemporaryDirectory() as tmp:
+        tracker.log_files(run_id, probes.save(Path(tmp)), "probes")
+    final.update(probes.summary)
     return final
 
 
@@ -206,10 +214,11 @@ def run_sweep(
         for old in earlier:
             if old.data.tags.get("status") in (STATUS_FAILED, STATUS_RUNNING):
                 tracker.delete(old.info.run_id)  # an attempt that died: start the cell afresh
+                shutil.rmtree(checkpoint_dir(results_dir, tracker.experiment, old.info.run_id), True)
         prefix = f"[{i:>{len(str(len(todo)))}}/{len(todo)}] {cell.row.id} s{cell.seed}"
         run_id = tracker.start_cell(cell)
         started = time.perf_counter()
-        checkpoints = checkpoint_dir(results_dir, tracker.experiment, cell.run_key)
+        checkpoints = checkpoint_dir(results_dir, tracker.experiment, run_id)
         try:
             final = train_cell(
                 cell,
@@ -251,7 +260,9 @@ def run_sweep(
             for key, value in final.items()
             if key.startswith("val/ppl/") and key != "val/ppl/avg"
         )
-        probes = f"F-Attn {final['sink/first_token_attn']:.3f}, M-Act {final['act/max_mean']:.1f}"
+        probes = "probes failed (tag probe_error)"
+        if "sink/first_token_attn" in final:
+            probes = f"F-Attn {final['sink/first_token_attn']:.3f}, M-Act {final['act/max_mean']:.1f}"
         if "gate/score_mean" in final:
             probes += f", gate score {final['gate/score_mean']:.3f}"
         out(f"{prefix} done in {seconds:.0f} s: Avg PPL {final['val/ppl/avg']:.2f} ({domains}); {probes}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import numpy as np
 import pytest
@@ -84,6 +85,47 @@ def test_gate_scores_forced_to_known_values() -> None:
     assert result.heads["gate_score"][0] == pytest.approx([0.05, 0.2, 0.6, 0.9])  # one score per head
     assert result.gate_hist.sum() == 2 * 3 * T * 32  # layers x sequences x tokens x scores
     assert result.metrics()["gate/score_mean/L01"] == pytest.approx(0.4375)
+
+
+def test_two_valued_gate_control_differs_from_the_real_sparsity() -> None:
+    # Channels alternate between scores 0.02 and 0.98 (mean 0.5). The real gated output is
+    # pre * s, the paper's control pre * 0.5: recomputed here from the captured pre-gate output.
+    values = np.tile([0.02, 0.98], (4, 4))
+    model = _static_gate(values)
+    pre: list[torch.Tensor] = []
+    hook = model.blocks[0].attn.gate.register_forward_pre_hook(lambda m, args: pre.append(args[0]))
+    x = tokens()
+    result = run_probes(model, x, chunk=len(x))
+    hook.remove()
+    y = pre[0]  # (B, T, H, D), layer 0, from the first of the two passes
+    scores = torch.tensor(values, dtype=torch.float32)
+    for t in (1e-2, 1e-3):
+        real = float(((y * scores).abs() < t).double().mean())
+        control = float(((y * 0.5).abs() < t).double().mean())
+        assert result.layers[f"sdpa_below_{t:g}"][0] == pytest.approx(real)
+        assert result.layers[f"control_below_{t:g}"][0] == pytest.approx(control)
+    assert result.layers["sdpa_below_0.01"][0] > result.layers["control_below_0.01"][0]  # gating is sparser
+
+
+def test_additive_gates_get_no_gate_score() -> None:
+    gate = GateConfig(position="sdpa", combine="additive", activation="identity")
+    result = run_probes(build(gate), tokens(1))
+    assert not any(k.startswith("gate/") for k in result.summary) and result.gate_hist is None
+
+
+def test_a_nan_residual_shows_as_a_nan_m_act() -> None:
+    model = build()
+    model.blocks[1].ffn.down.weight.data[0, 0] = float("nan")
+    result = run_probes(model, tokens(2), chunk=1)
+    assert not math.isnan(result.layers["m_act"][0]) and math.isnan(result.layers["m_act"][1])
+
+
+def test_probe_mode_keeps_only_the_first_key_column() -> None:
+    model = build()
+    attn = model.blocks[0].attn
+    attn.keep_attention = True
+    model(tokens(2))
+    assert attn.last_attention.shape == (2, SHAPE.n_heads, T, 1)
 
 
 def test_constant_gate_sparsity_equals_its_control() -> None:

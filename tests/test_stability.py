@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 from conftest import MICRO, ROOT
 from mlflow import MlflowClient
 
+from experiments.config import ConfigError, ModelConfig, RunConfig, TrainConfig
 from experiments.lit import LMModule
 from experiments.stability import Diverged, SpikeDetector, check_divergence, divergence_bound
 from sweep.cli import main
@@ -19,7 +21,7 @@ def test_planted_spike_is_counted_once() -> None:
     detector = SpikeDetector(window=5, z=3.0)
     series = [1.0, 1.1, 0.9, 1.0, 1.0, 1.05, 3.0, float("nan"), 1.5, 1.0]
     flags = [detector.update(step, loss) for step, loss in enumerate(series)]
-    # Before step 6 the window [1.0, 1.1, 0.9, 1.0, 1.0] has mean 1.0 and std sqrt(0.005) = 0.0707,
+    # At step 5 the window [1.0, 1.1, 0.9, 1.0, 1.0] has mean 1.0 and std sqrt(0.005) = 0.0707,
     # so 1.05 < 1.0 + 3 * 0.0707 is not a spike. At step 6 the window is [1.1, 0.9, 1.0, 1.0, 1.05]
     # (mean 1.01, std 0.0742) and 3.0 is. NaN is divergence, not a spike; 3.0 then widens the
     # window so that 1.5 passes.
@@ -94,3 +96,22 @@ def test_a_nan_loss_marks_the_cell_diverged_keeps_its_checkpoint_and_the_sweep_g
 
     assert main(args) == 0  # a rerun keeps the diverged result instead of retraining it
     assert "0 to train, 2 finished earlier" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("key", "value"), [("spike_window", 1), ("diverge_factor", 1.0)])
+def test_degenerate_stability_settings_are_rejected(key: str, value: float) -> None:
+    with pytest.raises(ConfigError) as err:
+        TrainConfig(**{key: value})
+    assert err.value.path == key
+
+
+def test_a_non_finite_gradient_stops_before_the_optimiser_step() -> None:
+    shape = {"d_model": 16, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "head_dim": 8, "ffn_dim": 32}
+    cfg = RunConfig(model=ModelConfig(vocab_size=4096, max_seq_len=128, **shape))
+    module = LMModule(cfg, ["code"])
+    for p in module.parameters():
+        p.grad = torch.zeros_like(p)
+    module.model.embed.weight.grad[3, 1] = float("inf")
+    with pytest.raises(Diverged) as err:
+        module.on_before_optimizer_step(torch.optim.SGD(module.parameters(), lr=0.1))
+    assert err.value.what == "gradient norm" and "gradient norm inf at step 0 is not finite" in str(err.value)

@@ -176,7 +176,10 @@ def test_probes_every_validation_when_asked(tmp_path: Path, monkeypatch: pytest.
     client, runs = _runs(tmp_path / "r")
     (run,) = runs
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "gate/score_mean")]
-    assert steps[:2] == [4, 8] and len(steps) == 3  # after each validation, then the final probe
+    val_steps = [m.step for m in client.get_metric_history(run.info.run_id, "val/ppl/avg")]
+    # Beside the in-fit validation's metrics (same step), but not again at the last step, which
+    # the final probe after training covers once.
+    assert val_steps == [3, 7] and steps == [3, 8]
     assert {a.path for a in client.list_artifacts(run.info.run_id, "probes")} == {
         "probes/probes.json",
         "probes/gate_hist.npz",
