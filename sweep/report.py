@@ -36,6 +36,7 @@ PROBE_COLUMNS = {
     "f_attn": ("sink/first_token_attn", "F-Attn", 3),
     "loss_spikes": ("stability/loss_spikes", "Loss spikes", 1),
 }
+PAPER_PROBE_COLUMNS = ("gate_score", "m_act", "f_attn")  # what the paper's Table 4 reports
 
 
 def paper_table(name: str | None) -> pd.DataFrame | None:
@@ -215,7 +216,7 @@ def build_table(grid: Grid, scale: str, runs: pd.DataFrame) -> pd.DataFrame:
         line["paper_added_params_m"] = _paper_value(paper, row, "added_params_m")
         line["paper_avg_ppl"] = _paper_value(paper, row, "avg_ppl")
         line["paper_delta"] = line["paper_avg_ppl"] - paper_base
-        for column in PROBE_COLUMNS:
+        for column in PAPER_PROBE_COLUMNS:
             line[f"paper_{column}"] = _paper_value(paper, row, column)
         line["status"] = cell.unsupported or _status(mine is not None, line["n_diverged"])
         lines.append(line)
@@ -277,12 +278,13 @@ def display_table(table: pd.DataFrame, baseline_id: str, columns: tuple[str, ...
     for column in columns:
         _, heading, digits = PROBE_COLUMNS[column]
         out[heading] = [_fmt(v, s, digits) for v, s in zip(table[column], table[f"{column}_std"])]
-    out["Paper Added (M)"] = [_fmt_params(v) for v in table["paper_added_params_m"]]
+    if table["paper_added_params_m"].notna().any():  # Tables 3 and 4 list no parameters
+        out["Paper Added (M)"] = [_fmt_params(v) for v in table["paper_added_params_m"]]
     out["Paper Avg PPL"] = [_fmt(v) for v in table["paper_avg_ppl"]]
     out["Paper Δ"] = [_fmt_delta(v, math.nan, math.nan) for v in table["paper_delta"]]
     for column in columns:
         _, heading, digits = PROBE_COLUMNS[column]
-        if table[f"paper_{column}"].notna().any():
+        if column in PAPER_PROBE_COLUMNS and table[f"paper_{column}"].notna().any():
             out[f"Paper {heading}"] = [_fmt(v, digits=digits) for v in table[f"paper_{column}"]]
     is_base = table["id"] == baseline_id
     out.loc[is_base, "Δ Avg PPL"] = "reference"
