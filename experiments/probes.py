@@ -159,7 +159,7 @@ class ProbeResult:
     heads: dict[str, list[list[float]]]
     gate_hist: np.ndarray | None
 
-    #: per-layer series that also go to MLflow as ``<key>/L<l>``
+    #: per-layer series that also go to MLflow as ``<key>/layer_<ll>`` (the design card's names)
     LAYER_METRICS = {
         "gate_score_mean": "gate/score_mean",
         "f_attn": "sink/first_token_attn",
@@ -169,11 +169,11 @@ class ProbeResult:
     }
 
     def metrics(self) -> dict[str, float]:
-        """Summary plus per-layer metrics, e.g. ``sink/first_token_attn/L03``: a bounded key set."""
+        """Summary plus per-layer metrics, e.g. ``sink/first_token_attn/layer_03``: a bounded key set."""
         out = dict(self.summary)
         for name, key in self.LAYER_METRICS.items():
             for layer, value in enumerate(self.layers.get(name, [])):
-                out[f"{key}/L{layer:02d}"] = value
+                out[f"{key}/layer_{layer:02d}"] = value
         return out
 
     def save(self, folder: Path) -> list[Path]:

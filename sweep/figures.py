@@ -68,7 +68,7 @@ def loss_figure(runs: pd.DataFrame, client) -> Figure | None:
 
 def first_token_figure(runs: pd.DataFrame) -> Figure | None:
     """Figure 2 (left): F-Attn per layer for every row (mean over seeds); the baseline in black."""
-    layer_cols = sorted(c for c in runs.columns if c.startswith("sink/first_token_attn/L"))
+    layer_cols = sorted(c for c in runs.columns if c.startswith("sink/first_token_attn/layer_"))
     runs = runs[runs["status"] == STATUS_FINISHED]  # a diverged run's probes are mid-training at best
     if not layer_cols or runs.empty:
         return None
