@@ -138,7 +138,7 @@ def _tune(args: argparse.Namespace, grid, cells, results: Path) -> int:
         )
         for row in rows
     }
-    paths = write_lr_report(grid, args.scale, studies, results, _command_line())
+    paths = write_lr_report(grid, args.scale, studies, results, _command_line(), ladder=bool(ladder))
     print(f"wrote {', '.join(map(str, paths))}; browse the trials with: make ui (or make dashboard)")
     return 0
 

@@ -9,6 +9,7 @@ import numpy as np
 import optuna
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from sweep.grid import Grid, Row
 from sweep.report import finished_runs
@@ -61,17 +62,26 @@ def lr_figure(grid: Grid, studies: dict[str, optuna.Study]) -> Figure:
     for lrs, color in tops:
         ax.scatter(lrs, np.full(len(lrs), top), marker="x", color=color, s=60, clip_on=False)
     ax.set_xscale("log")
+    ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 1.5, 2.0, 3.0, 5.0, 7.0)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.2g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels overlap on a narrow range
     ax.set(xlabel="max learning rate", ylabel="final Avg PPL", title="LR sensitivity (x: diverged)")
     ax.legend(fontsize=8)
     return fig
 
 
 def write_lr_report(
-    grid: Grid, scale: str, studies: dict[str, optuna.Study], results_dir: Path, command: str
+    grid: Grid,
+    scale: str,
+    studies: dict[str, optuna.Study],
+    results_dir: Path,
+    command: str,
+    ladder: bool = False,
 ) -> list[Path]:
-    """Write the table (Markdown and CSV) and the figure; return their paths."""
+    """Write the table (Markdown and CSV) and the figure (``lr_search[_ladder][_<scale>].*``,
+    ``figures/lr_sensitivity[_ladder][_<scale>].png``); return their paths."""
     table = lr_table(grid, scale, studies, results_dir)
-    suffix = "" if scale == "tiny" else f"_{scale}"
+    suffix = ("_ladder" if ladder else "") + ("" if scale == "tiny" else f"_{scale}")
     md, csv = results_dir / f"lr_search{suffix}.md", results_dir / f"lr_search{suffix}.csv"
     shown = table.copy()
     for col in ("best_max_lr", "grid_max_lr"):

@@ -43,7 +43,8 @@ HEARTBEAT_S = 30
 
 class StepPruningCallback(pl.Callback):
     """Reports the validation loss to ``trial`` at ``trainer.global_step`` after each validation
-    and raises :class:`optuna.TrialPruned` when the pruner says so.
+    and raises :class:`optuna.TrialPruned` when the pruner says so, except at the last step: a
+    trial that has trained to the end is kept.
 
     Args:
         trial: the running trial.
@@ -62,7 +63,7 @@ class StepPruningCallback(pl.Callback):
             return
         self.trial.report(pl_module.last_val[self.monitor], step)
         self.reported.append(step)
-        if self.trial.should_prune():
+        if step < trainer.max_steps and self.trial.should_prune():  # a finished run is kept
             raise optuna.TrialPruned(f"pruned at step {step}")
 
 
@@ -84,9 +85,10 @@ def make_storage(url: str) -> optuna.storages.RDBStorage:
     )
 
 
-def study_name(grid: Grid, scale: str, row: Row) -> str:
-    """``<grid>-<scale>-<row>``, e.g. ``table1-tiny-baseline``."""
-    return f"{grid.name}-{scale}-{row.id}"
+def study_name(grid: Grid, scale: str, row: Row, ladder: bool = False) -> str:
+    """``<grid>-<scale>-<row>``, e.g. ``table1-tiny-baseline``; ``-ladder`` appended for a fixed
+    ladder (another sampler, so another study)."""
+    return f"{grid.name}-{scale}-{row.id}" + ("-ladder" if ladder else "")
 
 
 def trial_cell(grid: Grid, scale: str, row: Row, lr: float, seed: int = 0) -> Cell:
@@ -133,7 +135,7 @@ def tune_row(
         The study.
     """
     quiet_lightning()
-    name = study_name(grid, scale, row)
+    name = study_name(grid, scale, row, ladder=bool(ladder))
     url = storage_url(results_dir, storage)
     study = optuna.create_study(
         study_name=name,

@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import optuna
 import pandas as pd
@@ -15,10 +17,11 @@ from mlflow import MlflowClient
 from optuna.trial import TrialState
 
 from experiments.lit import LMModule
+from sweep import tune
 from sweep.cli import main
 from sweep.grid import load_grid
 from sweep.tracking import Tracker, tracking_uri
-from sweep.tune import storage_url, study_name, tune_row
+from sweep.tune import StepPruningCallback, make_storage, storage_url, study_name, tune_row
 
 TUNE = """\
 name: micro
@@ -122,3 +125,50 @@ def test_two_workers_on_one_storage_share_the_budget(setup: dict) -> None:
     numbers = [t.number for t in trials]
     assert len(numbers) == len(set(numbers))
     assert sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")  # ask() simulates the dead worker
+def test_a_dead_workers_trial_is_failed_and_retried(setup: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tune, "HEARTBEAT_S", 1)  # grace period 3 s instead of 90 s
+    setup["results"].mkdir()
+    storage = make_storage(storage_url(setup["results"], None))
+    study = optuna.create_study(
+        study_name=study_name(setup["grid"], "tiny", setup["row"]), storage=storage, direction="minimize"
+    )
+    dead = study.ask({"max_lr": optuna.distributions.FloatDistribution(1e-4, 1e-2, log=True)})
+    storage.record_heartbeat(dead._trial_id)  # a worker started this trial, then died
+    time.sleep(4)
+    study = tune_row(setup["grid"], "tiny", setup["row"], 1, setup["results"], out=lambda _: None)
+    first, retry = study.get_trials()
+    assert first.state == TrialState.FAIL  # no longer left RUNNING
+    assert retry.state == TrialState.COMPLETE and retry.params == first.params
+    assert retry.system_attrs["failed_trial"] == first.number
+
+
+class _Always:
+    """A trial stub whose pruner always says prune; it records what was reported."""
+
+    def __init__(self) -> None:
+        self.reports: list[tuple[float, int]] = []
+
+    def report(self, value: float, step: int) -> None:
+        self.reports.append((value, step))
+
+    def should_prune(self) -> bool:
+        return True
+
+
+def _validated(callback: StepPruningCallback, step: int, max_steps: int = 8) -> None:
+    trainer = SimpleNamespace(sanity_checking=False, global_step=step, max_steps=max_steps)
+    callback.on_validation_end(trainer, SimpleNamespace(last_val={"val/loss": 5.0 + step}))
+
+
+def test_step_pruning_reports_each_step_once_and_never_prunes_a_finished_run() -> None:
+    trial = _Always()
+    callback = StepPruningCallback(trial)
+    with pytest.raises(optuna.TrialPruned, match="pruned at step 4"):
+        _validated(callback, 4)
+    _validated(callback, 8)  # the last step: reported, not pruned
+    _validated(callback, 8)  # the post-fit validation of the same step: not reported twice
+    assert trial.reports == [(9.0, 4), (13.0, 8)]
