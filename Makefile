@@ -11,6 +11,9 @@ SEEDS ?=
 ROWS  ?=
 FORCE ?=
 PORT  ?= 5000
+TRIALS ?= 8
+STORAGE ?=
+DASHBOARD_PORT ?= 8080
 # A CPU build of torch here; any CUDA build >= 2.5 works elsewhere (TORCH_SPEC="torch" or preinstalled).
 # TORCH_SPEC only matters when .venv has no torch yet (`make clean` first to switch builds).
 TORCH_SPEC ?= torch==2.13.0
@@ -21,7 +24,7 @@ PY   := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS := --grid $(GRID) --scale $(SCALE) $(if $(SEEDS),--seeds $(SEEDS)) $(if $(ROWS),--rows $(ROWS)) $(if $(FORCE),--force)
 
-.PHONY: setup sweep tables params bench ui test lint clean
+.PHONY: setup sweep tables params tune dashboard bench ui test lint clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -40,6 +43,12 @@ tables: $(STAMP)
 params: $(STAMP)
 	$(PY) -m sweep.cli params $(ARGS)
 
+tune: $(STAMP)
+	$(PY) -m sweep.cli tune $(ARGS) --trials $(TRIALS) $(if $(STORAGE),--storage "$(STORAGE)")
+
+dashboard: $(STAMP)
+	$(VENV)/bin/optuna-dashboard "$(or $(STORAGE),sqlite:///results/optuna.db)" --host 127.0.0.1 --port $(DASHBOARD_PORT)
+
 bench: $(STAMP)
 	$(PY) -m sweep.bench --grid $(GRID) --scale $(SCALE) $(if $(ROWS),--rows $(ROWS))
 
@@ -53,4 +62,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) .cache results/mlflow.db results/mlartifacts results/runs results/checkpoints
+	rm -rf $(VENV) .cache results/mlflow.db results/mlartifacts results/runs results/checkpoints results/optuna.db

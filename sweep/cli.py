@@ -1,4 +1,4 @@
-"""The one entry point the Makefile calls: ``python -m sweep.cli {sweep,tables,params} ...``.
+"""The one entry point the Makefile calls: ``python -m sweep.cli {sweep,tables,params,tune} ...``.
 
 Exit status: 0 on success, 1 when a cell failed, 2 on bad input (grid, store, results folder,
 corpus) with a one-line message and nothing started.
@@ -30,6 +30,7 @@ def _parser() -> argparse.ArgumentParser:
         ("sweep", "train every unfinished cell, then write the tables"),
         ("tables", "write results/<grid>.{md,csv,tex} from the tracking store"),
         ("params", "print total and added parameters per row (meta device, no training)"),
+        ("tune", "Optuna search of each row's max learning rate, then results/lr_search.*"),
     ):
         s = sub.add_parser(name, help=text)
         s.add_argument("--grid", default="grids/table1.yaml", help="grid YAML file")
@@ -38,6 +39,11 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--rows", default=None, help="comma-separated row ids (default: all)")
         s.add_argument("--force", action="store_true", help="retrain cells that already finished")
         s.add_argument("--results", default="results", help="results folder (store, tables)")
+        if name == "tune":
+            s.add_argument("--trials", type=int, default=8, help="trials per row (complete or pruned)")
+            s.add_argument("--storage", default=None, help="Optuna RDB URL (default results/optuna.db)")
+            s.add_argument("--lr-range", default="1e-4,1e-2", help="log-uniform max LR range, lo,hi")
+            s.add_argument("--ladder", default=None, help="fixed max LRs, a,b,c (grid sampler)")
     return p
 
 
@@ -74,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         _writable(results)
         from sweep.report import write_tables
 
+        if args.command == "tune":
+            return _tune(args, grid, cells, results)
         if args.command == "tables":
             paths = write_tables(grid, args.scale, results, _command_line(), seeds)
             print(f"wrote {', '.join(map(str, paths.values()))}")
@@ -97,6 +105,42 @@ def main(argv: list[str] | None = None) -> int:
     except (GridError, TrackingError, CorpusError, UsageError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v]
+    except ValueError:
+        raise UsageError(f"--{what}: expected comma-separated numbers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise UsageError(f"--{what}: expected positive numbers, got {text!r}")
+    return values
+
+
+def _tune(args: argparse.Namespace, grid, cells, results: Path) -> int:
+    import optuna
+
+    from sweep.lr_report import write_lr_report
+    from sweep.tune import tune_row
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    lr_range = _floats(args.lr_range, "lr-range")
+    if len(lr_range) != 2 or lr_range[0] >= lr_range[1]:
+        raise UsageError(f"--lr-range: expected lo,hi with lo < hi, got {args.lr_range!r}")
+    ladder = _floats(args.ladder, "ladder") if args.ladder else None
+    if args.trials < 1:
+        raise UsageError("--trials must be at least 1")
+    cache = Path(os.environ["GATED_ATTN_CACHE"]) if os.environ.get("GATED_ATTN_CACHE") else None
+    rows = [c.row for c in cells if c.seed == cells[0].seed and not c.unsupported]
+    studies = {
+        row.id: tune_row(
+            grid, args.scale, row, args.trials, results, args.storage, tuple(lr_range), ladder, cache
+        )
+        for row in rows
+    }
+    paths = write_lr_report(grid, args.scale, studies, results, _command_line(), ladder=bool(ladder))
+    print(f"wrote {', '.join(map(str, paths))}; browse the trials with: make ui (or make dashboard)")
+    return 0
 
 
 if __name__ == "__main__":

@@ -77,6 +77,7 @@ def train_cell(
     progress: ProgressPrinter,
     cache_root: Path | None,
     checkpoints: Path,
+    extra_callbacks: list[pl.Callback] | None = None,
 ) -> dict[str, float]:
     """Train one cell into MLflow run ``run_id``, probe it, and return its final metrics.
 
@@ -87,6 +88,9 @@ def train_cell(
     ``train.checkpoint_every`` steps into ``checkpoints`` (the latest kept); a finished cell
     leaves only the final weights, ``final.ckpt``, saved before probing. A probe that fails
     (out of memory, say) leaves a finished run without probe metrics and a ``probe_error`` tag.
+
+    ``extra_callbacks`` join the trainer's (the LR search's pruning callback, say); whatever
+    they raise ends the cell and propagates.
 
     Raises:
         Diverged: the loss diverged; the last periodic checkpoint stays in ``checkpoints``.
@@ -100,7 +104,7 @@ def train_cell(
     tracker.client.set_tag(run_id, "probe_sha256", probe_record["sha256"])
     module = LMModule(cfg, datamodule.domains, probe_tokens)
     logger = MLFlowLogger(experiment_name=tracker.experiment, tracking_uri=tracker.uri, run_id=run_id)
-    callbacks: list[pl.Callback] = [progress]
+    callbacks: list[pl.Callback] = [progress, *(extra_callbacks or [])]
     if cfg.train.checkpoint_every:
         callbacks.append(
             ModelCheckpoint(

@@ -1,0 +1,251 @@
+"""Optuna learning-rate search: one study per grid row, each trial one MLflow child run.
+
+The paper claims SDPA gating trains stably at larger learning rates (Table 2 rows 5-14). A study
+samples ``train.max_lr`` log-uniformly with a seeded TPE sampler, or walks a fixed ladder with
+the grid sampler; its objective is the final validation Avg PPL (lower is better).
+
+- **Pruning by step**: :class:`StepPruningCallback` reports ``val/loss`` at the trainer's global
+  step after every validation, so a single-epoch LM run reports several times (Optuna's
+  Lightning callback reports per epoch and never prunes here); a median pruner decides, from
+  the third trial on and never in the first third of training.
+- **Divergence is data**: a diverged trial is recorded as PRUNED with the user attribute
+  ``diverged`` (its reason), and the study goes on. Other errors mark the trial FAIL and the
+  study goes on too.
+- **Storage**: ``results/optuna.db`` (SQLite, one machine) unless ``STORAGE`` names a PostgreSQL
+  or MySQL URL that many workers share. A rerun continues the study: only the trials still
+  missing from the budget run. A heartbeat fails the trials of dead workers and retries them once.
+- **MLflow**: experiment ``<grid>-<scale>-lr``; one parent run per study (tag ``kind=study``),
+  one child per trial (tag ``mlflow.parentRunId``, ``trial``, ``trial_state``); the parent gets
+  ``best/max_lr`` and ``best/avg_ppl``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import optuna
+from optuna.trial import TrialState
+
+from experiments.stability import Diverged
+from sweep.grid import Cell, Grid, Row, run_key
+from sweep.progress import ProgressPrinter, SweepClock
+from sweep.runner import checkpoint_dir, quiet_lightning, train_cell
+from sweep.tracking import STATUS_DIVERGED, STATUS_FAILED, STATUS_FINISHED, Tracker, tracking_uri
+
+COUNTED = (TrialState.COMPLETE, TrialState.PRUNED)  # trials that use up the budget
+HEARTBEAT_S = 30
+
+
+class StepPruningCallback(pl.Callback):
+    """Reports the validation loss to ``trial`` at ``trainer.global_step`` after each validation
+    and raises :class:`optuna.TrialPruned` when the pruner says so, except at the last step: a
+    trial that has trained to the end is kept.
+
+    Args:
+        trial: the running trial.
+        monitor: the key of ``LMModule.last_val`` to report (default ``val/loss``, nats).
+    """
+
+    def __init__(self, trial: optuna.Trial, monitor: str = "val/loss") -> None:
+        self.trial, self.monitor = trial, monitor
+        self.reported: list[int] = []
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or self.monitor not in pl_module.last_val:
+            return
+        step = trainer.global_step
+        if step in self.reported:  # the post-fit validation repeats the last step
+            return
+        self.trial.report(pl_module.last_val[self.monitor], step)
+        self.reported.append(step)
+        if step < trainer.max_steps and self.trial.should_prune():  # a finished run is kept
+            raise optuna.TrialPruned(f"pruned at step {step}")
+
+
+def storage_url(results_dir: Path, url: str | None) -> str:
+    """``url`` if given, else SQLite at ``results/optuna.db`` (absolute)."""
+    return url or f"sqlite:///{(results_dir / 'optuna.db').resolve()}"
+
+
+def make_storage(url: str) -> optuna.storages.RDBStorage:
+    """RDB storage with a heartbeat: trials of a worker dead for 3 heartbeats fail and retry once."""
+    engine = {"connect_args": {"timeout": 300}} if url.startswith("sqlite") else None
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    return optuna.storages.RDBStorage(
+        url,
+        engine_kwargs=engine,
+        heartbeat_interval=HEARTBEAT_S,
+        grace_period=3 * HEARTBEAT_S,
+        heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1),
+    )
+
+
+def study_name(grid: Grid, scale: str, row: Row, ladder: bool = False) -> str:
+    """``<grid>-<scale>-<row>``, e.g. ``table1-tiny-baseline``; ``-ladder`` appended for a fixed
+    ladder (another sampler, so another study)."""
+    return f"{grid.name}-{scale}-{row.id}" + ("-ladder" if ladder else "")
+
+
+def trial_cell(grid: Grid, scale: str, row: Row, lr: float, seed: int = 0) -> Cell:
+    """The row's cell with ``train.max_lr = lr`` (``min_lr`` lowered to ``lr`` if above it)."""
+    cfg = grid.resolve(scale, row, seed)
+    train = dataclasses.replace(cfg.train, max_lr=lr, min_lr=min(cfg.train.min_lr, lr))
+    cfg = dataclasses.replace(cfg, train=train)
+    return Cell(grid.name, scale, row, seed, cfg, run_key(cfg))
+
+
+def _sampler(ladder: list[float] | None, seed: int) -> optuna.samplers.BaseSampler:
+    if ladder:
+        return optuna.samplers.GridSampler({"max_lr": ladder}, seed=seed)
+    return optuna.samplers.TPESampler(seed=seed)
+
+
+def _parent_run(tracker: Tracker, name: str) -> str:
+    found = tracker.client.search_runs(
+        [tracker.experiment_id], filter_string=f"tags.kind = 'study' and tags.optuna_study = '{name}'"
+    )
+    if found:
+        return found[0].info.run_id
+    run = tracker.client.create_run(
+        tracker.experiment_id, run_name=name, tags={"kind": "study", "optuna_study": name}
+    )
+    return run.info.run_id
+
+
+def tune_row(
+    grid: Grid,
+    scale: str,
+    row: Row,
+    trials: int,
+    results_dir: Path,
+    storage: str | None = None,
+    lr_range: tuple[float, float] = (1e-4, 1e-2),
+    ladder: list[float] | None = None,
+    cache_root: Path | None = None,
+    out=print,
+) -> optuna.Study:
+    """Run (or continue) the row's study until ``trials`` trials are complete or pruned.
+
+    Returns:
+        The study.
+    """
+    quiet_lightning()
+    name = study_name(grid, scale, row, ladder=bool(ladder))
+    url = storage_url(results_dir, storage)
+    study = optuna.create_study(
+        study_name=name,
+        storage=make_storage(url),
+        sampler=_sampler(ladder, seed=0),
+        # Never within the first third of training: early losses mostly reflect the warmup ramp.
+        pruner=optuna.pruners.MedianPruner(
+            n_startup_trials=2, n_warmup_steps=grid.resolve(scale, row, 0).train.max_steps // 3
+        ),
+        direction="minimize",
+        load_if_exists=True,
+    )
+    tracker = Tracker(tracking_uri(results_dir), f"{grid.name}-{scale}-lr", results_dir / "mlartifacts")
+    parent = _parent_run(tracker, name)
+    done = len(study.get_trials(deepcopy=False, states=COUNTED))
+    todo = max(0, trials - done)
+    shown = url.split("@")[-1] if "@" in url else url  # never print a password
+    out(f"study {name}: {done} of {trials} trials done, {todo} to run; storage {shown}")
+    clock = SweepClock(todo)
+
+    def objective(trial: optuna.Trial) -> float:
+        lr = (
+            trial.suggest_float("max_lr", *lr_range, log=True)
+            if not ladder
+            else trial.suggest_categorical("max_lr", ladder)
+        )
+        cell = trial_cell(grid, scale, row, lr)
+        child = tracker.start_cell(
+            cell,
+            extra_tags={
+                "kind": "trial",
+                "mlflow.parentRunId": parent,
+                "optuna_study": name,
+                "trial": str(trial.number),
+            },
+        )
+        trial.set_user_attr("mlflow_run_id", child)
+        prefix = f"[{name} #{trial.number}] lr {lr:.2e}"
+        started = time.perf_counter()
+        try:
+            final = train_cell(
+                cell,
+                tracker,
+                child,
+                0,
+                ProgressPrinter(prefix, clock, out),
+                cache_root,
+                checkpoint_dir(results_dir, tracker.experiment, child),
+                [StepPruningCallback(trial)],
+            )
+        except optuna.TrialPruned as err:
+            _close(tracker, child, STATUS_FINISHED, "pruned", str(err))
+            out(f"{prefix} pruned: {err}")
+            raise
+        except Diverged as err:  # a result: the LR was too large; pruned, with the reason kept
+            trial.set_user_attr("diverged", str(err))
+            _close(tracker, child, STATUS_DIVERGED, "pruned", str(err))
+            out(f"{prefix} diverged: {err}")
+            raise optuna.TrialPruned(f"diverged: {err}") from None
+        except Exception as err:
+            _close(tracker, child, STATUS_FAILED, "fail", f"{type(err).__name__}: {err}")
+            raise
+        finally:
+            clock.cell_done(time.perf_counter() - started)
+        value = final["val/ppl/avg"]
+        _close(tracker, child, STATUS_FINISHED, "complete", None)
+        out(f"{prefix} done: Avg PPL {value:.2f}")
+        return value
+
+    if todo:
+        study.optimize(
+            objective,
+            n_trials=todo,
+            catch=(Exception,),
+            callbacks=[optuna.study.MaxTrialsCallback(trials, states=(*COUNTED, TrialState.RUNNING))],
+        )
+    _summarise(study, tracker, parent)
+    return study
+
+
+def _close(tracker: Tracker, run_id: str, status: str, trial_state: str, note: str | None) -> None:
+    tracker.client.set_tag(run_id, "trial_state", trial_state)
+    tracker.finish(run_id, status, note)
+
+
+def _summarise(study: optuna.Study, tracker: Tracker, parent: str) -> None:
+    """Best LR and trial counts on the study's parent run."""
+    trials = study.get_trials(deepcopy=False)
+    counts = {
+        "trials/complete": sum(t.state == TrialState.COMPLETE for t in trials),
+        "trials/pruned": sum(t.state == TrialState.PRUNED and "diverged" not in t.user_attrs for t in trials),
+        "trials/diverged": sum("diverged" in t.user_attrs for t in trials),
+        "trials/failed": sum(t.state == TrialState.FAIL for t in trials),
+    }
+    if counts["trials/complete"]:
+        counts["best/max_lr"] = study.best_params["max_lr"]
+        counts["best/avg_ppl"] = study.best_value
+    tracker.log_metrics(parent, counts)
+    tracker.client.set_terminated(parent, "FINISHED")
+
+
+def trial_table(study: optuna.Study) -> list[dict]:
+    """One record per trial: number, LR, state (complete / pruned / diverged / fail), Avg PPL."""
+    records = []
+    for t in study.get_trials(deepcopy=False):
+        if t.state in (TrialState.RUNNING, TrialState.WAITING):
+            continue
+        state = "diverged" if "diverged" in t.user_attrs else t.state.name.lower()
+        value = t.value if t.state == TrialState.COMPLETE else math.nan
+        records.append(
+            {"trial": t.number, "max_lr": t.params.get("max_lr", math.nan), "state": state, "avg_ppl": value}
+        )
+    return records

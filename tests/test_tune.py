@@ -1,0 +1,174 @@
+"""The Optuna LR search on micro studies: step pruning, divergence as data, workers, MLflow links."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import optuna
+import pandas as pd
+import pytest
+from conftest import ROOT
+from mlflow import MlflowClient
+from optuna.trial import TrialState
+
+from experiments.lit import LMModule
+from sweep import tune
+from sweep.cli import main
+from sweep.grid import load_grid
+from sweep.tracking import Tracker, tracking_uri
+from sweep.tune import StepPruningCallback, make_storage, storage_url, study_name, tune_row
+
+TUNE = """\
+name: micro
+title: "Micro LR search"
+base:
+  model: {vocab_size: 512, d_model: 32, n_layers: 2, n_heads: 4, n_kv_heads: 2, head_dim: 8,
+          ffn_dim: 64, max_seq_len: 32}
+  train: {max_steps: 8, batch_size: 4, seq_len: 32, warmup_steps: 2, val_every: 2, val_tokens: 512,
+          max_lr: 2e-3, min_lr: 1e-6}
+  data: {vocab_size: 512, max_chars_per_source: 200000}
+scales: {tiny: {}}
+rows:
+  - {id: baseline, label: "Baseline"}
+"""
+
+
+@pytest.fixture
+def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
+    monkeypatch.setenv("GATED_ATTN_CACHE", str(ROOT / ".cache"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    path = tmp_path / "micro.yaml"
+    path.write_text(TUNE)
+    grid = load_grid(path)
+    return {"grid": grid, "row": grid.rows[0], "results": tmp_path / "results", "path": path}
+
+
+def _enqueued(s: dict, lrs: list[float]) -> optuna.Study:
+    """The row's study with trials of these LRs queued first, in order (as a driver would)."""
+    s["results"].mkdir(exist_ok=True)
+    study = optuna.create_study(
+        study_name=study_name(s["grid"], "tiny", s["row"]),
+        storage=storage_url(s["results"], None),
+        direction="minimize",
+    )
+    for lr in lrs:
+        study.enqueue_trial({"max_lr": lr})
+    return study
+
+
+@pytest.mark.slow
+def test_a_bad_trial_is_pruned_by_step_and_trials_link_to_their_study_run(setup: dict) -> None:
+    _enqueued(setup, [5e-3, 4e-3, 1e-6])
+    study = tune_row(
+        setup["grid"], "tiny", setup["row"], 3, setup["results"], lr_range=(1e-6, 1e-2), out=print
+    )
+    trials = study.get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.COMPLETE, TrialState.PRUNED]
+    assert sorted(trials[0].intermediate_values) == [2, 4, 6, 8]  # four reports inside one epoch
+    assert list(trials[2].intermediate_values) == [2]  # 1e-6 barely trains: pruned at its first report
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{setup['results'] / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("micro-tiny-lr")
+    (parent,) = client.search_runs([exp.experiment_id], "tags.kind = 'study'")
+    children = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    by_trial = {int(c.data.tags["trial"]): c for c in children}
+    assert sorted(by_trial) == [0, 1, 2]
+    assert [by_trial[i].data.tags["trial_state"] for i in range(3)] == ["complete", "complete", "pruned"]
+    assert by_trial[2].data.params["train.max_lr"] == "1e-06"
+    assert parent.data.metrics["best/max_lr"] == study.best_params["max_lr"]
+    assert parent.data.metrics["trials/pruned"] == 1
+
+    again = tune_row(setup["grid"], "tiny", setup["row"], 3, setup["results"], out=lambda _: None)
+    assert len(again.get_trials()) == 3  # the budget is met: a rerun adds nothing
+
+
+@pytest.mark.slow
+def test_a_nan_trial_is_recorded_as_diverged_and_the_study_goes_on(
+    setup: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    original = LMModule._loss
+
+    def planted(self: LMModule, batch, reduction: str = "mean"):
+        loss = original(self, batch, reduction)
+        return loss * float("nan") if self.training and self.cfg.train.max_lr > 4e-3 else loss
+
+    monkeypatch.setattr(LMModule, "_loss", planted)
+    _enqueued(setup, [8e-3, 2e-3, 1e-3])
+    args = ["tune", "--grid", str(setup["path"]), "--results", str(setup["results"]), "--trials", "3"]
+    assert main(args) == 0
+    table = pd.read_csv(setup["results"] / "lr_search.csv").iloc[0]
+    assert (table["n_complete"], table["n_diverged"], table["n_pruned"], table["n_fail"]) == (2, 1, 0, 0)
+    assert table["best_max_lr"] in (2e-3, 1e-3)
+    assert (setup["results"] / "figures" / "lr_sensitivity.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_two_workers_on_one_storage_share_the_budget(setup: dict) -> None:
+    env = {**os.environ, "GATED_ATTN_CACHE": str(ROOT / ".cache")}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    cmd = [sys.executable, "-m", "sweep.cli", "tune", "--grid", str(setup["path"])]
+    cmd += ["--results", str(setup["results"]), "--trials", "4", "--lr-range", "1e-3,5e-3"]
+    setup["results"].mkdir()
+    # The driver creates both stores before the workers start (two processes creating one
+    # SQLite MLflow store at once race in its schema migration).
+    _enqueued(setup, [])
+    Tracker(tracking_uri(setup["results"]), "micro-tiny-lr", setup["results"] / "mlartifacts")
+    workers = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL) for _ in range(2)]
+    assert [w.wait(timeout=600) for w in workers] == [0, 0]
+    study = optuna.load_study(study_name="micro-tiny-baseline", storage=storage_url(setup["results"], None))
+    trials = study.get_trials()
+    numbers = [t.number for t in trials]
+    assert len(numbers) == len(set(numbers))
+    assert sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")  # ask() simulates the dead worker
+def test_a_dead_workers_trial_is_failed_and_retried(setup: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tune, "HEARTBEAT_S", 1)  # grace period 3 s instead of 90 s
+    setup["results"].mkdir()
+    storage = make_storage(storage_url(setup["results"], None))
+    study = optuna.create_study(
+        study_name=study_name(setup["grid"], "tiny", setup["row"]), storage=storage, direction="minimize"
+    )
+    dead = study.ask({"max_lr": optuna.distributions.FloatDistribution(1e-4, 1e-2, log=True)})
+    storage.record_heartbeat(dead._trial_id)  # a worker started this trial, then died
+    time.sleep(4)
+    study = tune_row(setup["grid"], "tiny", setup["row"], 1, setup["results"], out=lambda _: None)
+    first, retry = study.get_trials()
+    assert first.state == TrialState.FAIL  # no longer left RUNNING
+    assert retry.state == TrialState.COMPLETE and retry.params == first.params
+    assert retry.system_attrs["failed_trial"] == first.number
+
+
+class _Always:
+    """A trial stub whose pruner always says prune; it records what was reported."""
+
+    def __init__(self) -> None:
+        self.reports: list[tuple[float, int]] = []
+
+    def report(self, value: float, step: int) -> None:
+        self.reports.append((value, step))
+
+    def should_prune(self) -> bool:
+        return True
+
+
+def _validated(callback: StepPruningCallback, step: int, max_steps: int = 8) -> None:
+    trainer = SimpleNamespace(sanity_checking=False, global_step=step, max_steps=max_steps)
+    callback.on_validation_end(trainer, SimpleNamespace(last_val={"val/loss": 5.0 + step}))
+
+
+def test_step_pruning_reports_each_step_once_and_never_prunes_a_finished_run() -> None:
+    trial = _Always()
+    callback = StepPruningCallback(trial)
+    with pytest.raises(optuna.TrialPruned, match="pruned at step 4"):
+        _validated(callback, 4)
+    _validated(callback, 8)  # the last step: reported, not pruned
+    _validated(callback, 8)  # the post-fit validation of the same step: not reported twice
+    assert trial.reports == [(9.0, 4), (13.0, 8)]
