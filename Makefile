@@ -44,10 +44,10 @@ params: $(STAMP)
 	$(PY) -m sweep.cli params $(ARGS)
 
 tune: $(STAMP)
-	$(PY) -m sweep.cli tune $(ARGS) --trials $(TRIALS) $(if $(STORAGE),--storage "$(STORAGE)")
+	$(PY) -m sweep.cli tune $(ARGS) --trials $(TRIALS) $(if $(STORAGE),--storage '$(STORAGE)')
 
 dashboard: $(STAMP)
-	$(VENV)/bin/optuna-dashboard "$(or $(STORAGE),sqlite:///results/optuna.db)" --host 127.0.0.1 --port $(DASHBOARD_PORT)
+	$(VENV)/bin/optuna-dashboard '$(or $(STORAGE),sqlite:///results/optuna.db)' --host 127.0.0.1 --port $(DASHBOARD_PORT)
 
 bench: $(STAMP)
 	$(PY) -m sweep.bench --grid $(GRID) --scale $(SCALE) $(if $(ROWS),--rows $(ROWS))

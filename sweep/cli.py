@@ -121,7 +121,7 @@ def _tune(args: argparse.Namespace, grid, cells, results: Path) -> int:
     import optuna
 
     from sweep.lr_report import write_lr_report
-    from sweep.tune import tune_row
+    from sweep.tune import tune_row, unretried_failures
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     lr_range = _floats(args.lr_range, "lr-range")
@@ -132,15 +132,23 @@ def _tune(args: argparse.Namespace, grid, cells, results: Path) -> int:
         raise UsageError("--trials must be at least 1")
     cache = Path(os.environ["GATED_ATTN_CACHE"]) if os.environ.get("GATED_ATTN_CACHE") else None
     rows = [c.row for c in cells if c.seed == cells[0].seed and not c.unsupported]
-    studies = {
-        row.id: tune_row(
-            grid, args.scale, row, args.trials, results, args.storage, tuple(lr_range), ladder, cache
-        )
-        for row in rows
-    }
+    if not rows:
+        raise UsageError(f"{grid.file}: no runnable row to tune among {', '.join(c.row.id for c in cells)}")
+    try:
+        studies = {
+            row.id: tune_row(
+                grid, args.scale, row, args.trials, results, args.storage, tuple(lr_range), ladder, cache
+            )
+            for row in rows
+        }
+    except ValueError as err:  # a ladder that does not match the study's
+        raise UsageError(str(err)) from None
     paths = write_lr_report(grid, args.scale, studies, results, _command_line(), ladder=bool(ladder))
     print(f"wrote {', '.join(map(str, paths))}; browse the trials with: make ui (or make dashboard)")
-    return 0
+    failed = sum(len(unretried_failures(s)) for s in studies.values())
+    if failed:
+        print(f"{failed} trial(s) failed (not diverged): see their status_note in MLflow")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -99,6 +99,19 @@ def trial_cell(grid: Grid, scale: str, row: Row, lr: float, seed: int = 0) -> Ce
     return Cell(grid.name, scale, row, seed, cfg, run_key(cfg))
 
 
+def _unvisited(study: optuna.Study, ladder: list[float]) -> list[float]:
+    """Rungs of ``ladder`` with no complete or pruned trial yet.
+
+    Raises:
+        ValueError: the study already holds trials of another ladder.
+    """
+    tried = {t.params["max_lr"] for t in study.get_trials(deepcopy=False) if "max_lr" in t.params}
+    if tried - set(ladder):
+        raise ValueError(f"study {study.study_name} was run with another ladder: {sorted(tried)}")
+    done = {t.params["max_lr"] for t in study.get_trials(deepcopy=False, states=COUNTED)}
+    return [lr for lr in ladder if lr not in done]
+
+
 def _sampler(ladder: list[float] | None, seed: int) -> optuna.samplers.BaseSampler:
     if ladder:
         return optuna.samplers.GridSampler({"max_lr": ladder}, seed=seed)
@@ -140,7 +153,7 @@ def tune_row(
     study = optuna.create_study(
         study_name=name,
         storage=make_storage(url),
-        sampler=_sampler(ladder, seed=0),
+        sampler=_sampler(ladder, seed=0),  # reseeded below once the study's size is known
         # Never within the first third of training: early losses mostly reflect the warmup ramp.
         pruner=optuna.pruners.MedianPruner(
             n_startup_trials=2, n_warmup_steps=grid.resolve(scale, row, 0).train.max_steps // 3
@@ -152,6 +165,11 @@ def tune_row(
     parent = _parent_run(tracker, name)
     done = len(study.get_trials(deepcopy=False, states=COUNTED))
     todo = max(0, trials - done)
+    # A fresh study draws with seed 0 (reproducible); a resumed one with its trial count, so a
+    # rerun does not propose again the LRs it already tried.
+    study.sampler = _sampler(ladder, seed=len(study.get_trials(deepcopy=False)))
+    if ladder:
+        todo = min(todo, len(_unvisited(study, ladder)))
     shown = url.split("@")[-1] if "@" in url else url  # never print a password
     out(f"study {name}: {done} of {trials} trials done, {todo} to run; storage {shown}")
     clock = SweepClock(todo)
@@ -195,7 +213,7 @@ def tune_row(
             _close(tracker, child, STATUS_DIVERGED, "pruned", str(err))
             out(f"{prefix} diverged: {err}")
             raise optuna.TrialPruned(f"diverged: {err}") from None
-        except Exception as err:
+        except BaseException as err:  # Ctrl-C included: Optuna marks the trial FAIL, so does MLflow
             _close(tracker, child, STATUS_FAILED, "fail", f"{type(err).__name__}: {err}")
             raise
         finally:
@@ -212,6 +230,7 @@ def tune_row(
             catch=(Exception,),
             callbacks=[optuna.study.MaxTrialsCallback(trials, states=(*COUNTED, TrialState.RUNNING))],
         )
+    _close_orphans(study, tracker)
     _summarise(study, tracker, parent)
     return study
 
@@ -221,13 +240,33 @@ def _close(tracker: Tracker, run_id: str, status: str, trial_state: str, note: s
     tracker.finish(run_id, status, note)
 
 
+def _diverged(t: optuna.trial.FrozenTrial) -> bool:
+    """Diverged trials are PRUNED with a ``diverged`` reason (a FAIL or a retry never counts)."""
+    return t.state == TrialState.PRUNED and "diverged" in t.user_attrs
+
+
+def unretried_failures(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """FAIL trials that no later trial retried (the heartbeat's retry names its ``failed_trial``)."""
+    trials = study.get_trials(deepcopy=False)
+    retried = {t.system_attrs.get("failed_trial") for t in trials}
+    return [t for t in trials if t.state == TrialState.FAIL and t.number not in retried]
+
+
+def _close_orphans(study: optuna.Study, tracker: Tracker) -> None:
+    """Child runs of trials that Optuna failed without us (a dead worker's) are closed as failed."""
+    for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)):
+        run_id = t.user_attrs.get("mlflow_run_id")
+        if run_id and tracker.client.get_run(run_id).info.status == "RUNNING":
+            _close(tracker, run_id, STATUS_FAILED, "fail", "the worker died; the heartbeat failed the trial")
+
+
 def _summarise(study: optuna.Study, tracker: Tracker, parent: str) -> None:
     """Best LR and trial counts on the study's parent run."""
     trials = study.get_trials(deepcopy=False)
     counts = {
         "trials/complete": sum(t.state == TrialState.COMPLETE for t in trials),
-        "trials/pruned": sum(t.state == TrialState.PRUNED and "diverged" not in t.user_attrs for t in trials),
-        "trials/diverged": sum("diverged" in t.user_attrs for t in trials),
+        "trials/pruned": sum(t.state == TrialState.PRUNED and not _diverged(t) for t in trials),
+        "trials/diverged": sum(_diverged(t) for t in trials),
         "trials/failed": sum(t.state == TrialState.FAIL for t in trials),
     }
     if counts["trials/complete"]:
@@ -243,7 +282,7 @@ def trial_table(study: optuna.Study) -> list[dict]:
     for t in study.get_trials(deepcopy=False):
         if t.state in (TrialState.RUNNING, TrialState.WAITING):
             continue
-        state = "diverged" if "diverged" in t.user_attrs else t.state.name.lower()
+        state = "diverged" if _diverged(t) else t.state.name.lower()
         value = t.value if t.state == TrialState.COMPLETE else math.nan
         records.append(
             {"trial": t.number, "max_lr": t.params.get("max_lr", math.nan), "state": state, "avg_ppl": value}

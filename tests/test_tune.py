@@ -144,6 +144,7 @@ def test_a_dead_workers_trial_is_failed_and_retried(setup: dict, monkeypatch: py
     assert first.state == TrialState.FAIL  # no longer left RUNNING
     assert retry.state == TrialState.COMPLETE and retry.params == first.params
     assert retry.system_attrs["failed_trial"] == first.number
+    assert tune.unretried_failures(study) == []  # retried, so the command would still exit 0
 
 
 class _Always:
@@ -172,3 +173,18 @@ def test_step_pruning_reports_each_step_once_and_never_prunes_a_finished_run() -
     _validated(callback, 8)  # the last step: reported, not pruned
     _validated(callback, 8)  # the post-fit validation of the same step: not reported twice
     assert trial.reports == [(9.0, 4), (13.0, 8)]
+
+
+def test_a_ladder_rerun_trains_only_missing_rungs_and_rejects_another_ladder() -> None:
+    study = optuna.create_study(direction="minimize")
+    rungs = optuna.distributions.CategoricalDistribution([2e-3, 4e-3, 8e-3])
+    study.add_trial(
+        optuna.trial.create_trial(params={"max_lr": 2e-3}, distributions={"max_lr": rungs}, value=1.0)
+    )
+    failed = optuna.trial.create_trial(
+        params={"max_lr": 4e-3}, distributions={"max_lr": rungs}, state=TrialState.FAIL
+    )
+    study.add_trial(failed)
+    assert tune._unvisited(study, [2e-3, 4e-3, 8e-3]) == [4e-3, 8e-3]  # a failed rung is run again
+    with pytest.raises(ValueError, match="another ladder"):
+        tune._unvisited(study, [1e-3, 8e-3])
