@@ -16,6 +16,11 @@ from sweep.report import finished_runs
 from sweep.tune import trial_table
 
 
+def _trials(study: optuna.Study) -> pd.DataFrame:
+    """:func:`trial_table` as a frame (with its columns even when the study is empty)."""
+    return pd.DataFrame(trial_table(study), columns=["trial", "max_lr", "state", "avg_ppl"])
+
+
 def lr_table(grid: Grid, scale: str, studies: dict[str, optuna.Study], results_dir: Path) -> pd.DataFrame:
     """One line per row: best LR and Avg PPL, the Avg PPL of the sweep's own run (the grid's LR,
     seed 0, if the sweep has one), and the trial counts by state."""
@@ -25,7 +30,7 @@ def lr_table(grid: Grid, scale: str, studies: dict[str, optuna.Study], results_d
     for row in grid.rows:
         if row.id not in studies:
             continue
-        trials = pd.DataFrame(trial_table(studies[row.id]), columns=["trial", "max_lr", "state", "avg_ppl"])
+        trials = _trials(studies[row.id])
         complete = trials[trials["state"] == "complete"]
         best = complete.loc[complete["avg_ppl"].idxmin()] if len(complete) else None
         lines.append(
@@ -54,7 +59,7 @@ def lr_figure(grid: Grid, studies: dict[str, optuna.Study]) -> Figure:
     rows: list[Row] = [r for r in grid.rows if r.id in studies]
     tops = []
     for row in rows:
-        trials = pd.DataFrame(trial_table(studies[row.id]), columns=["trial", "max_lr", "state", "avg_ppl"])
+        trials = _trials(studies[row.id])
         done = trials[trials["state"] == "complete"].sort_values("max_lr")
         line = ax.plot(done["max_lr"], done["avg_ppl"], marker="o", label=row.label)[0]
         tops.append((trials[trials["state"] == "diverged"]["max_lr"], line.get_color()))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -129,20 +130,24 @@ class Tracker:
             self.client.log_artifact(run_id, str(path))
         return run_id
 
-    def report_run(self) -> str:
-        """The experiment's one run tagged ``kind=report`` (created on first use); it holds the
-        tables and figures as artifacts and never counts as a cell."""
-        found = self.client.search_runs([self.experiment_id], filter_string="tags.kind = 'report'")
+    def named_run(self, name: str, tags: dict[str, str]) -> str:
+        """The experiment's run carrying all of ``tags``, created (as ``name``) on first use; for
+        runs that are not cells: the ``report`` run, an Optuna study's parent run."""
+        query = " and ".join(f"tags.{k} = '{v}'" for k, v in tags.items())
+        found = self.client.search_runs([self.experiment_id], filter_string=query)
         if found:
             return found[0].info.run_id
-        run = self.client.create_run(self.experiment_id, run_name="report", tags={"kind": "report"})
-        self.client.set_terminated(run.info.run_id, "FINISHED")
-        return run.info.run_id
+        return self.client.create_run(self.experiment_id, run_name=name, tags=tags).info.run_id
+
+    def report_run(self) -> str:
+        """The experiment's one run tagged ``kind=report``; it holds the tables and figures as
+        artifacts and never counts as a cell."""
+        run_id = self.named_run("report", {"kind": "report"})
+        self.client.set_terminated(run_id, "FINISHED")
+        return run_id
 
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
         """Log scalar metrics at ``step`` (batched: one request per 1000 metrics)."""
-        import time
-
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)

@@ -118,18 +118,6 @@ def _sampler(ladder: list[float] | None, seed: int) -> optuna.samplers.BaseSampl
     return optuna.samplers.TPESampler(seed=seed)
 
 
-def _parent_run(tracker: Tracker, name: str) -> str:
-    found = tracker.client.search_runs(
-        [tracker.experiment_id], filter_string=f"tags.kind = 'study' and tags.optuna_study = '{name}'"
-    )
-    if found:
-        return found[0].info.run_id
-    run = tracker.client.create_run(
-        tracker.experiment_id, run_name=name, tags={"kind": "study", "optuna_study": name}
-    )
-    return run.info.run_id
-
-
 def tune_row(
     grid: Grid,
     scale: str,
@@ -153,7 +141,6 @@ def tune_row(
     study = optuna.create_study(
         study_name=name,
         storage=make_storage(url),
-        sampler=_sampler(ladder, seed=0),  # reseeded below once the study's size is known
         # Never within the first third of training: early losses mostly reflect the warmup ramp.
         pruner=optuna.pruners.MedianPruner(
             n_startup_trials=2, n_warmup_steps=grid.resolve(scale, row, 0).train.max_steps // 3
@@ -162,11 +149,12 @@ def tune_row(
         load_if_exists=True,
     )
     tracker = Tracker(tracking_uri(results_dir), f"{grid.name}-{scale}-lr", results_dir / "mlartifacts")
-    parent = _parent_run(tracker, name)
+    parent = tracker.named_run(name, {"kind": "study", "optuna_study": name})
     done = len(study.get_trials(deepcopy=False, states=COUNTED))
     todo = max(0, trials - done)
-    # A fresh study draws with seed 0 (reproducible); a resumed one with its trial count, so a
-    # rerun does not propose again the LRs it already tried.
+    # The sampler is set once the study's size is known: a fresh study draws with seed 0
+    # (reproducible), a resumed one with its trial count, so a rerun does not propose again the
+    # LRs it already tried.
     study.sampler = _sampler(ladder, seed=len(study.get_trials(deepcopy=False)))
     if ladder:
         todo = min(todo, len(_unvisited(study, ladder)))

@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from experiments.model import parameter_count
 from sweep.cli import main
 from sweep.grid import GridError, load_grid, run_key
 
-ROOT = Path(__file__).resolve().parents[1]
 GRIDS = sorted((ROOT / "grids").glob("*.yaml"))
 
 GOOD = """\
