@@ -86,13 +86,19 @@ def main(argv: list[str] | None = None) -> int:
             paths = write_tables(grid, args.scale, results, _command_line(), seeds)
             print(f"wrote {', '.join(map(str, paths.values()))}")
             return 0
+        from sweep.interrupt import StopRequest
         from sweep.runner import FAILED, run_sweep, summary_line
 
         started = time.perf_counter()
         cache = Path(os.environ["GATED_ATTN_CACHE"]) if os.environ.get("GATED_ATTN_CACHE") else None
-        outcomes = run_sweep(grid, cells, results, force=args.force, cache_root=cache)
-        paths = write_tables(grid, args.scale, results, _command_line(), seeds)
+        with StopRequest() as stop:
+            outcomes = run_sweep(grid, cells, results, force=args.force, cache_root=cache, stop=stop)
         minutes = (time.perf_counter() - started) / 60
+        if stop.signum is not None:
+            print(f"sweep interrupted after {minutes:.1f} min: {summary_line(outcomes)}")
+            print("state saved; run the same command again to resume")
+            return stop.exit_code
+        paths = write_tables(grid, args.scale, results, _command_line(), seeds)
         print(f"sweep finished in {minutes:.1f} min: {summary_line(outcomes)}")
         for o in outcomes:
             if o.status == FAILED:

@@ -1,0 +1,162 @@
+"""Crash and Ctrl-C: a killed cell resumes in its own MLflow run and trains as if never stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+from mlflow.entities import ViewType
+
+from sweep.cli import main
+from sweep.resume import latest_checkpoint
+from tests.conftest import MICRO, ROOT
+
+STEPS = 40
+GRID = MICRO.replace(
+    "max_steps: 8, batch_size: 4, seq_len: 32, warmup_steps: 2, val_every: 4,",
+    f"max_steps: {STEPS}, batch_size: 4, seq_len: 32, warmup_steps: 4, val_every: 10,",
+).replace("max_lr: 2e-3}", "max_lr: 2e-3, checkpoint_every: 5}")
+ROW = "sdpa_elementwise"
+
+# Slows each step by 0.1 s (the numbers are untouched) so the test can stop a run midway.
+SLOW_SWEEP = """
+import sys, time
+from experiments.lit import LMModule
+step_end = LMModule.on_train_batch_end
+def slow(self, *args):
+    time.sleep(0.1)
+    step_end(self, *args)
+LMModule.on_train_batch_end = slow
+from sweep.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def sweep_args(grid: Path, results: Path) -> list[str]:
+    return ["sweep", "--grid", str(grid), "--results", str(results), "--rows", ROW]
+
+
+def client_for(results: Path) -> MlflowClient:
+    return MlflowClient(tracking_uri=f"sqlite:///{results / 'mlflow.db'}")
+
+
+def cell_runs(results: Path) -> list:
+    client = client_for(results)
+    exp = client.get_experiment_by_name("micro-tiny")
+    query = f"tags.kind = 'cell' and tags.row = '{ROW}'"
+    return client.search_runs([exp.experiment_id], query, run_view_type=ViewType.ALL)
+
+
+def history(results: Path, key: str) -> list[tuple[int, float]]:
+    (run,) = cell_runs(results)
+    return sorted((m.step, m.value) for m in client_for(results).get_metric_history(run.info.run_id, key))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    grid = tmp / "micro.yaml"
+    grid.write_text(GRID)
+    results = tmp / "results"
+    mp = pytest.MonkeyPatch()
+    mp.setenv("GATED_ATTN_CACHE", str(ROOT / ".cache"))
+    mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert main(sweep_args(grid, results)) == 0
+    yield {"grid": grid, "results": results}
+    mp.undo()
+
+
+def start_slow_sweep(grid: Path, results: Path) -> subprocess.Popen:
+    env = {**os.environ, "GATED_ATTN_CACHE": str(ROOT / ".cache"), "PYTHONPATH": str(ROOT)}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return subprocess.Popen(
+        [sys.executable, "-c", SLOW_SWEEP, *sweep_args(grid, results)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def wait_for_checkpoint(proc: subprocess.Popen, results: Path, min_step: int) -> Path:
+    """Poll until a checkpoint of at least ``min_step`` exists; fail if the process ends first."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the sweep ended before step {min_step}:\n{proc.stdout.read()}"
+        for folder in (results / "checkpoints").glob("*/*"):
+            found = latest_checkpoint(folder)
+            if found is not None and int(found.stem.removeprefix("step")) >= min_step:
+                return folder
+        time.sleep(0.02)
+    raise AssertionError("no checkpoint within 300 s")
+
+
+def assert_same_training(results: Path, reference: Path) -> None:
+    for key in ("train/loss", "val/ppl/avg"):
+        got, want = history(results, key), history(reference, key)
+        assert [s for s, _ in got] == [s for s, _ in want], f"{key}\n{got}\n{want}"  # every step once
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-5, abs=1e-6)
+    assert [s for s, _ in history(results, "train/loss")] == list(range(STEPS))
+
+
+def test_sigkill_mid_cell_resumes_in_the_same_run(
+    uninterrupted: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    results = tmp_path / "results"
+    proc = start_slow_sweep(uninterrupted["grid"], results)
+    folder = wait_for_checkpoint(proc, results, min_step=15)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    proc.stdout.close()
+    (dead,) = cell_runs(results)
+    assert dead.info.status == "RUNNING" and dead.data.tags["status"] == "running"  # nobody told MLflow
+    killed_at = max(s for s, _ in history(results, "train/loss"))
+    assert killed_at < STEPS - 1
+
+    monkeypatch.setenv("GATED_ATTN_CACHE", str(ROOT / ".cache"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert main(sweep_args(uninterrupted["grid"], results)) == 0
+    out = capsys.readouterr().out
+    assert f"resuming run {dead.info.run_id} (running) from step" in out
+    assert "finished 0, resumed 1, skipped 0" in out
+
+    (run,) = cell_runs(results)  # no second run for the cell, not even a deleted one
+    assert run.info.run_id == dead.info.run_id and run.info.status == "FINISHED"
+    assert run.data.tags["status"] == "finished" and run.data.tags["resumed"] == "1"
+    assert_same_training(results, uninterrupted["results"])
+    assert sorted(p.name for p in folder.iterdir()) == ["final.ckpt"]
+
+
+def test_ctrl_c_saves_marks_killed_and_the_next_sweep_resumes(
+    uninterrupted: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    results = tmp_path / "results"
+    proc = start_slow_sweep(uninterrupted["grid"], results)
+    folder = wait_for_checkpoint(proc, results, min_step=5)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert f"{ROW} s0 KILLED: SIGINT at step" in out
+    assert "sweep interrupted after" in out and "killed 1" in out
+
+    (killed,) = cell_runs(results)
+    assert killed.info.status == "KILLED" and killed.data.tags["status"] == "killed"
+    saved = Path(killed.data.tags["checkpoint"])
+    stopped_at = int(saved.stem.removeprefix("step"))
+    assert saved.parent == folder and saved.is_file() and 5 < stopped_at < STEPS
+    assert max(s for s, _ in history(results, "train/loss")) == stopped_at - 1  # saved after that step
+
+    monkeypatch.setenv("GATED_ATTN_CACHE", str(ROOT / ".cache"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert main(sweep_args(uninterrupted["grid"], results)) == 0
+    assert f"(killed) from {saved.name}" in capsys.readouterr().out
+    (run,) = cell_runs(results)
+    assert run.info.run_id == killed.info.run_id and run.data.tags["status"] == "finished"
+    assert_same_training(results, uninterrupted["results"])
