@@ -108,7 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         if figures:
             print(f"figures: {', '.join(figures)}")
         return 1 if any(o.status == FAILED for o in outcomes) else 0
-    except (GridError, TrackingError, CorpusError, UsageError) as err:
+    except CorpusError as err:
+        print(f"error: {args.grid}: data.sources: {err}", file=sys.stderr)
+        return 2
+    except (GridError, TrackingError, UsageError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
