@@ -16,6 +16,7 @@ from pathlib import Path
 
 from experiments.corpus import CorpusError
 from sweep.grid import GridError, load_grid
+from sweep.storage import HEARTBEAT_S
 from sweep.tracking import TrackingError
 
 
@@ -31,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
         ("tables", "write results/<grid>.{md,csv,tex} from the tracking store"),
         ("params", "print total and added parameters per row (meta device, no training)"),
         ("tune", "Optuna search of each row's max learning rate, then results/lr_search.*"),
+        ("worker", "train cells from the sweep's queue until it is empty (started by sweep --workers)"),
     ):
         s = sub.add_parser(name, help=text)
         s.add_argument("--grid", default="grids/table1.yaml", help="grid YAML file")
@@ -39,9 +41,17 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--rows", default=None, help="comma-separated row ids (default: all)")
         s.add_argument("--force", action="store_true", help="retrain cells that already finished")
         s.add_argument("--results", default="results", help="results folder (store, tables)")
+        if name in ("sweep", "worker", "tune"):
+            s.add_argument("--storage", default=None, help="Optuna RDB URL (default results/optuna.db)")
+        if name in ("sweep", "worker"):
+            s.add_argument("--heartbeat", type=int, default=HEARTBEAT_S, help=argparse.SUPPRESS)
+        if name == "sweep":
+            s.add_argument("--workers", type=int, default=1, help="worker processes; >1 uses the queue")
+            s.add_argument("--queue", action="store_true", help="use the queue even with one worker")
+        if name == "worker":
+            s.add_argument("--threads", type=int, default=None, help="torch threads of this worker")
         if name == "tune":
             s.add_argument("--trials", type=int, default=8, help="trials per row (complete or pruned)")
-            s.add_argument("--storage", default=None, help="Optuna RDB URL (default results/optuna.db)")
             s.add_argument("--lr-range", default="1e-4,1e-2", help="log-uniform max LR range, lo,hi")
             s.add_argument("--ladder", default=None, help="fixed max LRs, a,b,c (grid sampler)")
     return p
@@ -91,8 +101,22 @@ def main(argv: list[str] | None = None) -> int:
 
         started = time.perf_counter()
         cache = Path(os.environ["GATED_ATTN_CACHE"]) if os.environ.get("GATED_ATTN_CACHE") else None
+        if args.command == "worker":
+            return _worker(args, grid, cells, results, cache)
+        if args.workers < 1:
+            raise UsageError(f"--workers must be at least 1, got {args.workers}")
         with StopRequest() as stop:
-            outcomes = run_sweep(grid, cells, results, force=args.force, cache_root=cache, stop=stop)
+            if args.workers > 1 or args.queue:
+                from sweep.queue import run_queued_sweep
+                from sweep.storage import storage_url
+
+                url = storage_url(results, args.storage)
+                outcomes = run_queued_sweep(
+                    grid, cells, results, args.workers, url, _worker_args(args, url), args.heartbeat,
+                    args.force, cache, stop,
+                )  # fmt: skip
+            else:
+                outcomes = run_sweep(grid, cells, results, force=args.force, cache_root=cache, stop=stop)
         minutes = (time.perf_counter() - started) / 60
         if stop.signum is not None:
             print(f"sweep interrupted after {minutes:.1f} min: {summary_line(outcomes)}")
@@ -114,6 +138,33 @@ def main(argv: list[str] | None = None) -> int:
     except (GridError, TrackingError, UsageError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+
+
+def _worker_args(args: argparse.Namespace, url: str) -> list[str]:
+    """The ``worker`` command line that names the driver's grid, cells, results and queue."""
+    out = ["--grid", args.grid, "--scale", args.scale, "--results", args.results, "--storage", url]
+    out += ["--heartbeat", str(args.heartbeat)]
+    out += ["--seeds", str(args.seeds)] if args.seeds else []
+    return out + (["--rows", args.rows] if args.rows else [])
+
+
+def _worker(args: argparse.Namespace, grid, cells, results: Path, cache: Path | None) -> int:
+    import torch
+
+    from sweep.interrupt import StopRequest
+    from sweep.queue import run_worker
+    from sweep.runner import FAILED
+    from sweep.storage import storage_url
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with StopRequest() as stop:
+        outcomes = run_worker(
+            grid, cells, results, storage_url(results, args.storage), args.heartbeat, cache, stop
+        )
+    if stop.signum is not None:
+        return stop.exit_code
+    return 1 if any(o.status == FAILED for o in outcomes) else 0
 
 
 def _floats(text: str, what: str) -> list[float]:

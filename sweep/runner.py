@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import tempfile
 import time
 import warnings
@@ -56,6 +57,7 @@ class Outcome:
     status: str
     seconds: float = 0.0
     note: str = ""
+    avg_ppl: float | None = None  # the final validation Avg PPL of a cell trained to the end
 
 
 def quiet_lightning() -> None:
@@ -69,6 +71,11 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", ".*GPU available but not used.*")
     warnings.filterwarnings("ignore", ".*isinstance.treespec, LeafSpec.*")
     warnings.filterwarnings("ignore", ".*resuming from a checkpoint that ended before the epoch ended.*")
+
+
+def worker_name() -> str:
+    """``host:pid``: which process trains a cell (MLflow tag and queue trial attribute ``worker``)."""
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def checkpoint_dir(results_dir: Path, experiment: str, run_id: str) -> Path:
@@ -255,6 +262,7 @@ def run_cell(cell: Cell, ctx: SweepContext, prefix: str, clock: SweepClock, forc
     else:
         run_id = tracker.start_cell(cell)
         checkpoints = checkpoint_dir(ctx.results_dir, tracker.experiment, run_id)
+    tracker.client.set_tag(run_id, "worker", worker_name())
     earlier = [r for r in tracker.runs_for(cell.run_key) if r.info.run_id != run_id]
     started = time.perf_counter()
 
@@ -305,6 +313,7 @@ def run_cell(cell: Cell, ctx: SweepContext, prefix: str, clock: SweepClock, forc
         if old.data.tags.get("status") in DONE_STATUSES:
             tracker.client.set_tag(old.info.run_id, "status", STATUS_SUPERSEDED)
     outcome = ended(RESUMED if unfinished is not None else FINISHED)
+    outcome.avg_ppl = final["val/ppl/avg"]
     domains = ", ".join(
         f"{key.removeprefix('val/ppl/')} {value:.2f}"
         for key, value in final.items()

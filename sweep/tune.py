@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -35,10 +34,10 @@ from experiments.stability import Diverged
 from sweep.grid import Cell, Grid, Row, run_key
 from sweep.progress import ProgressPrinter, SweepClock
 from sweep.runner import checkpoint_dir, quiet_lightning, train_cell
+from sweep.storage import make_storage, storage_url
 from sweep.tracking import STATUS_DIVERGED, STATUS_FAILED, STATUS_FINISHED, Tracker, tracking_uri
 
 COUNTED = (TrialState.COMPLETE, TrialState.PRUNED)  # trials that use up the budget
-HEARTBEAT_S = 30
 
 
 class StepPruningCallback(pl.Callback):
@@ -65,24 +64,6 @@ class StepPruningCallback(pl.Callback):
         self.reported.append(step)
         if step < trainer.max_steps and self.trial.should_prune():  # a finished run is kept
             raise optuna.TrialPruned(f"pruned at step {step}")
-
-
-def storage_url(results_dir: Path, url: str | None) -> str:
-    """``url`` if given, else SQLite at ``results/optuna.db`` (absolute)."""
-    return url or f"sqlite:///{(results_dir / 'optuna.db').resolve()}"
-
-
-def make_storage(url: str) -> optuna.storages.RDBStorage:
-    """RDB storage with a heartbeat: trials of a worker dead for 3 heartbeats fail and retry once."""
-    engine = {"connect_args": {"timeout": 300}} if url.startswith("sqlite") else None
-    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-    return optuna.storages.RDBStorage(
-        url,
-        engine_kwargs=engine,
-        heartbeat_interval=HEARTBEAT_S,
-        grace_period=3 * HEARTBEAT_S,
-        heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1),
-    )
 
 
 def study_name(grid: Grid, scale: str, row: Row, ladder: bool = False) -> str:

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -14,28 +10,10 @@ from mlflow import MlflowClient
 from mlflow.entities import ViewType
 
 from sweep.cli import main
-from sweep.resume import latest_checkpoint
-from tests.conftest import MICRO, ROOT
+from tests.conftest import LONG_MICRO, LONG_STEPS, ROOT, start_slow_cli, wait_for_checkpoint
 
-STEPS = 40
-GRID = MICRO.replace(
-    "max_steps: 8, batch_size: 4, seq_len: 32, warmup_steps: 2, val_every: 4,",
-    f"max_steps: {STEPS}, batch_size: 4, seq_len: 32, warmup_steps: 4, val_every: 10,",
-).replace("max_lr: 2e-3}", "max_lr: 2e-3, checkpoint_every: 5}")
+STEPS = LONG_STEPS
 ROW = "sdpa_elementwise"
-
-# Slows each step by 0.1 s (the numbers are untouched) so the test can stop a run midway.
-SLOW_SWEEP = """
-import sys, time
-from experiments.lit import LMModule
-step_end = LMModule.on_train_batch_end
-def slow(self, *args):
-    time.sleep(0.1)
-    step_end(self, *args)
-LMModule.on_train_batch_end = slow
-from sweep.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
 
 
 def sweep_args(grid: Path, results: Path) -> list[str]:
@@ -62,7 +40,7 @@ def history(results: Path, key: str) -> list[tuple[int, float]]:
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = tmp_path_factory.mktemp("uninterrupted")
     grid = tmp / "micro.yaml"
-    grid.write_text(GRID)
+    grid.write_text(LONG_MICRO)
     results = tmp / "results"
     mp = pytest.MonkeyPatch()
     mp.setenv("GATED_ATTN_CACHE", str(ROOT / ".cache"))
@@ -70,32 +48,6 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict:
     assert main(sweep_args(grid, results)) == 0
     yield {"grid": grid, "results": results}
     mp.undo()
-
-
-def start_slow_sweep(grid: Path, results: Path) -> subprocess.Popen:
-    env = {**os.environ, "GATED_ATTN_CACHE": str(ROOT / ".cache"), "PYTHONPATH": str(ROOT)}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    return subprocess.Popen(
-        [sys.executable, "-c", SLOW_SWEEP, *sweep_args(grid, results)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
-def wait_for_checkpoint(proc: subprocess.Popen, results: Path, min_step: int) -> Path:
-    """Poll until a checkpoint of at least ``min_step`` exists; fail if the process ends first."""
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"the sweep ended before step {min_step}:\n{proc.stdout.read()}"
-        for folder in (results / "checkpoints").glob("*/*"):
-            found = latest_checkpoint(folder)
-            if found is not None and int(found.stem.removeprefix("step")) >= min_step:
-                return folder
-        time.sleep(0.02)
-    raise AssertionError("no checkpoint within 300 s")
 
 
 def assert_same_training(results: Path, reference: Path) -> None:
@@ -110,8 +62,8 @@ def test_sigkill_mid_cell_resumes_in_the_same_run(
     uninterrupted: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     results = tmp_path / "results"
-    proc = start_slow_sweep(uninterrupted["grid"], results)
-    folder = wait_for_checkpoint(proc, results, min_step=15)
+    proc = start_slow_cli(sweep_args(uninterrupted["grid"], results))
+    folder = wait_for_checkpoint(results, 15, [proc])
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     proc.stdout.close()
@@ -138,8 +90,8 @@ def test_ctrl_c_saves_marks_killed_and_the_next_sweep_resumes(
     uninterrupted: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     results = tmp_path / "results"
-    proc = start_slow_sweep(uninterrupted["grid"], results)
-    folder = wait_for_checkpoint(proc, results, min_step=5)
+    proc = start_slow_cli(sweep_args(uninterrupted["grid"], results))
+    folder = wait_for_checkpoint(results, 5, [proc])
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out
@@ -159,4 +111,38 @@ def test_ctrl_c_saves_marks_killed_and_the_next_sweep_resumes(
     assert f"(killed) from {saved.name}" in capsys.readouterr().out
     (run,) = cell_runs(results)
     assert run.info.run_id == killed.info.run_id and run.data.tags["status"] == "finished"
+    assert_same_training(results, uninterrupted["results"])
+
+
+def test_a_crashed_cell_keeps_its_checkpoint_fails_the_sweep_and_resumes(
+    uninterrupted: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from experiments.lit import LMModule
+
+    monkeypatch.setenv("GATED_ATTN_CACHE", str(ROOT / ".cache"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    results = tmp_path / "results"
+    args = ["sweep", "--grid", str(uninterrupted["grid"]), "--results", str(results)]
+    original = LMModule.training_step
+
+    def crash_at_step_23(self: LMModule, batch, batch_idx: int):
+        if self.cfg.model.gate is not None and self.global_step == 23:
+            raise RuntimeError("disk full")
+        return original(self, batch, batch_idx)
+
+    monkeypatch.setattr(LMModule, "training_step", crash_at_step_23)
+    assert main(args) == 1  # a failed cell fails the sweep, after the other cells ran
+    out = capsys.readouterr().out
+    assert f"{ROW} s0 FAILED: RuntimeError: disk full" in out
+    assert "finished 1, resumed 0, skipped 0, unsupported 1, diverged 0, failed 1" in out
+    (failed,) = cell_runs(results)
+    assert failed.data.tags["status"] == "failed" and failed.info.status == "FAILED"
+    kept = Path(failed.data.tags["checkpoint"])
+    assert kept.name == "step000020.ckpt" and kept.is_file()  # the last good one
+
+    monkeypatch.setattr(LMModule, "training_step", original)  # the cause is fixed
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert f"resuming run {failed.info.run_id} (failed) from step000020.ckpt" in out
+    assert "finished 0, resumed 1, skipped 1, unsupported 1, diverged 0, failed 0" in out
     assert_same_training(results, uninterrupted["results"])
