@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.seeds is not None and args.seeds < 1:
         print("error: --seeds must be at least 1", file=sys.stderr)
         return 2
+    if getattr(args, "workers", 1) < 1:
+        print(f"error: --workers must be at least 1, got {args.workers}", file=sys.stderr)
+        return 2
     seeds = list(range(args.seeds)) if args.seeds else None
     rows = [r for r in args.rows.split(",") if r] if args.rows else None
     results = Path(args.results)
@@ -103,8 +106,6 @@ def main(argv: list[str] | None = None) -> int:
         cache = Path(os.environ["GATED_ATTN_CACHE"]) if os.environ.get("GATED_ATTN_CACHE") else None
         if args.command == "worker":
             return _worker(args, grid, cells, results, cache)
-        if args.workers < 1:
-            raise UsageError(f"--workers must be at least 1, got {args.workers}")
         with StopRequest() as stop:
             if args.workers > 1 or args.queue:
                 from sweep.queue import run_queued_sweep

@@ -168,7 +168,7 @@ def train_cell(
     final["params/added"] = module.n_params - baseline_params
     tracker.log_metrics(run_id, {k: final[k] for k in ("params/total", "params/added")})
     trainer.save_checkpoint(checkpoints / FINAL_CHECKPOINT, weights_only=True)
-    for old in checkpoints.glob("step*.ckpt"):
+    for old in checkpoints.glob("step*.ckpt*"):
         old.unlink()  # the run is done: only its final weights are kept
     tracker.client.set_tag(run_id, "checkpoint", str(checkpoints / FINAL_CHECKPOINT))
     module.to(trainer.strategy.root_device)  # Lightning's teardown moved it to the CPU
@@ -252,7 +252,7 @@ def run_cell(cell: Cell, ctx: SweepContext, prefix: str, clock: SweepClock, forc
         run_id = unfinished.info.run_id
         checkpoints = checkpoint_dir(ctx.results_dir, tracker.experiment, run_id)
         resume_from = latest_checkpoint(checkpoints)
-        for stale in checkpoints.glob("step*.ckpt"):
+        for stale in checkpoints.glob("step*.ckpt*"):
             if stale != resume_from:
                 stale.unlink()
         replayed = logged_steps(tracker.client, run_id)

@@ -15,7 +15,8 @@ from mlflow.entities import ViewType
 
 from sweep.cli import main
 from sweep.grid import load_grid
-from sweep.queue import enqueue_cells, open_queue
+from sweep.interrupt import StopRequest
+from sweep.queue import enqueue_cells, open_queue, pop_cell, run_worker
 from sweep.runner import prepare_sweep
 from sweep.storage import storage_url
 from tests.conftest import LONG_MICRO, LONG_STEPS, MICRO, ROOT, start_slow_cli, wait_for_checkpoint
@@ -119,3 +120,32 @@ def test_a_dead_workers_cell_is_taken_over_and_resumed(env: None, tmp_path: Path
         f":{survivor.pid}"
     )
     assert os.path.isfile(folder / "final.ckpt")
+
+
+def test_a_cell_enqueued_twice_is_trained_once(env: None, tmp_path: Path) -> None:
+    """Two drivers enqueued one cell at the same moment, and the worker holding the older trial
+    died: the younger trial defers to the older one, which is taken over and trained once."""
+    grid_path = tmp_path / "micro.yaml"
+    grid_path.write_text(MICRO)
+    results = tmp_path / "results"
+    results.mkdir()
+    grid = load_grid(grid_path)
+    cells = [c for c in grid.cells("tiny") if c.row.id == "baseline"]
+    ctx = prepare_sweep(grid, cells, results, ROOT / ".cache", out=lambda _line: None)
+    url = storage_url(results, None)
+    queue = open_queue(grid, "tiny", url, heartbeat_s=1)
+    enqueue_cells(queue, cells, ctx, force=False)
+    attrs = {"run_key": cells[0].run_key, "row": "baseline", "seed": 0, "force": False}
+    queue.study.enqueue_trial({}, user_attrs=attrs)  # the other driver, which saw no trial yet
+    held = pop_cell(queue, {cells[0].run_key})
+    queue.storage.record_heartbeat(queue.trial_id(held))  # a worker took trial 0, then died
+
+    quiet = lambda _line: None  # noqa: E731
+    outcomes = run_worker(grid, cells, results, url, 1, ROOT / ".cache", StopRequest(), out=quiet)
+    assert [o.status for o in outcomes] == ["finished"]
+    dead, younger, retry = queue_trials(results)
+    assert dead.number == held.number == 0 and dead.state == optuna.trial.TrialState.FAIL
+    assert younger.user_attrs["outcome"] == "duplicate"
+    assert younger.user_attrs["note"] == "trial 0 has this cell"
+    assert retry.system_attrs["failed_trial"] == 0 and retry.user_attrs["outcome"] == "finished"
+    assert len(all_cell_runs(results)) == 1
