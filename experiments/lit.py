@@ -46,7 +46,9 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    """Restore what :func:`rng_state` returned (so a resumed run draws what it would have)."""
+    """Restore what :func:`rng_state` returned. :class:`LMModule` does it at the first step of a
+    resumed run, where the checkpoint was saved (a step's start, the loaders already iterating),
+    so the run draws from there what it would have drawn without the interruption."""
     version, internal, gauss_next = state["python"]
     random.setstate((version, tuple(internal), gauss_next))
     kind, keys, pos, has_gauss, gauss = state["numpy"]
@@ -100,6 +102,7 @@ class LMModule(pl.LightningModule):
         self._nll_sum = torch.zeros(len(self.domains), dtype=torch.float64)
         self._tok_count = torch.zeros(len(self.domains), dtype=torch.float64)
         self._step_clock = 0.0
+        self._resumed_rng: dict | None = None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, T) token ids -> (B, T, V) logits."""
@@ -120,6 +123,9 @@ class LMModule(pl.LightningModule):
         return loss
 
     def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> None:
+        if self._resumed_rng is not None:  # the state saved at the start of this same step
+            set_rng_state(self._resumed_rng)
+            self._resumed_rng = None
         self._step_clock = time.perf_counter()  # per step, so validation time is never counted
 
     def on_train_batch_end(self, outputs, batch: torch.Tensor, batch_idx: int) -> None:
@@ -176,8 +182,8 @@ class LMModule(pl.LightningModule):
         if "last_val" in checkpoint:
             self.last_val = dict(checkpoint["last_val"]["figures"])
             self.last_val_step = checkpoint["last_val"]["step"]
-        if "rng" in checkpoint:
-            set_rng_state(checkpoint["rng"])
+        if "rng" in checkpoint:  # set at the first step: creating the loaders draws from it
+            self._resumed_rng = checkpoint["rng"]
 
     def configure_optimizers(self):
         t = self.cfg.train

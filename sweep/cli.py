@@ -46,8 +46,9 @@ def _parser() -> argparse.ArgumentParser:
         if name in ("sweep", "worker"):
             s.add_argument("--heartbeat", type=int, default=HEARTBEAT_S, help=argparse.SUPPRESS)
         if name == "sweep":
-            s.add_argument("--workers", type=int, default=1, help="worker processes; >1 uses the queue")
-            s.add_argument("--queue", action="store_true", help="use the queue even with one worker")
+            s.add_argument(
+                "--workers", type=int, default=1, help="worker processes; >1 (or --storage) uses the queue"
+            )
         if name == "worker":
             s.add_argument("--threads", type=int, default=None, help="torch threads of this worker")
         if name == "tune":
@@ -75,9 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.seeds is not None and args.seeds < 1:
         print("error: --seeds must be at least 1", file=sys.stderr)
         return 2
-    if getattr(args, "workers", 1) < 1:
-        print(f"error: --workers must be at least 1, got {args.workers}", file=sys.stderr)
-        return 2
+    for flag in ("workers", "heartbeat"):
+        if getattr(args, flag, 1) < 1:
+            print(f"error: --{flag} must be at least 1, got {getattr(args, flag)}", file=sys.stderr)
+            return 2
     seeds = list(range(args.seeds)) if args.seeds else None
     rows = [r for r in args.rows.split(",") if r] if args.rows else None
     results = Path(args.results)
@@ -100,24 +102,30 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {', '.join(map(str, paths.values()))}")
             return 0
         from sweep.interrupt import StopRequest
-        from sweep.runner import FAILED, run_sweep, summary_line
+        from sweep.runner import FAILED, KILLED, run_sweep, summary_line
 
         started = time.perf_counter()
         cache = Path(os.environ["GATED_ATTN_CACHE"]) if os.environ.get("GATED_ATTN_CACHE") else None
         if args.command == "worker":
             return _worker(args, grid, cells, results, cache)
         with StopRequest() as stop:
-            if args.workers > 1 or args.queue:
-                from sweep.queue import run_queued_sweep
-                from sweep.storage import storage_url
+            try:
+                if args.workers > 1 or args.storage:
+                    from sweep.queue import run_queued_sweep
+                    from sweep.storage import storage_url
 
-                url = storage_url(results, args.storage)
-                outcomes = run_queued_sweep(
-                    grid, cells, results, args.workers, url, _worker_args(args, url), args.heartbeat,
-                    args.force, cache, stop,
-                )  # fmt: skip
-            else:
-                outcomes = run_sweep(grid, cells, results, force=args.force, cache_root=cache, stop=stop)
+                    url = storage_url(results, args.storage)
+                    outcomes = run_queued_sweep(
+                        grid, cells, results, args.workers, url, _worker_args(args, url), args.heartbeat,
+                        args.force, cache, stop,
+                    )  # fmt: skip
+                else:
+                    outcomes = run_sweep(grid, cells, results, force=args.force, cache_root=cache, stop=stop)
+            except (KeyboardInterrupt, SystemExit):  # Ctrl-C before training, or twice
+                if stop.signum is None:
+                    raise
+                print("sweep interrupted; run the same command again to resume", file=sys.stderr)
+                return stop.exit_code
         minutes = (time.perf_counter() - started) / 60
         if stop.signum is not None:
             print(f"sweep interrupted after {minutes:.1f} min: {summary_line(outcomes)}")
@@ -126,13 +134,13 @@ def main(argv: list[str] | None = None) -> int:
         paths = write_tables(grid, args.scale, results, _command_line(), seeds)
         print(f"sweep finished in {minutes:.1f} min: {summary_line(outcomes)}")
         for o in outcomes:
-            if o.status == FAILED:
-                print(f"  failed: {o.cell.row.id} seed {o.cell.seed}: {o.note}")
+            if o.status in (FAILED, KILLED):
+                print(f"  {o.status}: {o.cell.row.id} seed {o.cell.seed}: {o.note}")
         print(f"table: {paths['md']} (also .csv, .tex); browse the runs with: make ui")
         figures = [str(p) for k, p in paths.items() if k not in ("md", "csv", "tex")]
         if figures:
             print(f"figures: {', '.join(figures)}")
-        return 1 if any(o.status == FAILED for o in outcomes) else 0
+        return 1 if any(o.status in (FAILED, KILLED) for o in outcomes) else 0
     except CorpusError as err:
         print(f"error: {args.grid}: data.sources: {err}", file=sys.stderr)
         return 2

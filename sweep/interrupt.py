@@ -22,23 +22,30 @@ EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # the shell's 128 + sign
 
 
 class Interrupted(Exception):
-    """Training stopped on a signal; the state is saved in ``checkpoint`` (None if not training)."""
+    """Training stopped on a signal at the start of ``step``; the state is saved in ``checkpoint``."""
 
-    def __init__(self, signum: int, step: int, checkpoint: Path | None) -> None:
+    def __init__(self, signum: int, step: int, checkpoint: Path) -> None:
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
-        name = signal.Signals(signum).name
-        where = f"saved {checkpoint}" if checkpoint else "no training state to save"
-        super().__init__(f"{name} at step {step}; {where}")
+        super().__init__(f"{signal.Signals(signum).name} at step {step}; saved {checkpoint}")
 
 
 class StopRequest:
     """Catches SIGINT and SIGTERM while active (a context manager); ``signum`` is the first one
     received, or None. Outside the main thread it installs nothing (Python allows handlers only
-    there) and never fires."""
+    there) and never fires.
+
+    Until :meth:`arm` is called (the sweep calls it once the corpus is built and the store is
+    open, when there is a cell to save), Ctrl-C raises ``KeyboardInterrupt`` at once: nothing
+    is half-done then, and a long corpus build should not need a second Ctrl-C."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.armed = False
         self._previous: dict[int, object] = {}
+
+    def arm(self) -> None:
+        """From now on a first signal only sets :attr:`signum`."""
+        self.armed = True
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
@@ -58,9 +65,10 @@ class StopRequest:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without a checkpoint
+        first = self.signum is None
         self.signum = self.signum or signum
+        if signum == signal.SIGINT and (not first or not self.armed):
+            raise KeyboardInterrupt  # before training, or a second Ctrl-C: stop now
 
     @property
     def exit_code(self) -> int:
@@ -77,6 +85,9 @@ class StopOnRequest(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.request.reclaim()
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.request.reclaim()  # the final trainer.validate() registers Lightning's handler again
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
         # At a step's start, as PeriodicCheckpoint: the step before has logged everything.

@@ -32,9 +32,9 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 
 import optuna
@@ -63,6 +63,7 @@ POLL_S = 2.0  # how often an idle worker looks for work or for a dead worker's c
 MAX_RETRY = 3  # takeovers of one cell before it is left failed (a cell that kills its worker)
 DUPLICATE = "duplicate"
 IN_FLIGHT = (TrialState.WAITING, TrialState.RUNNING)
+CELL_ATTRS = ("run_key", "row", "seed", "force")  # a queue trial's user attributes name its cell
 #: Outcomes that end a cell's trial COMPLETE; any other (failed, killed) ends it FAIL.
 RESULTS = (FINISHED, RESUMED, SKIPPED, DIVERGED, DUPLICATE)
 
@@ -96,17 +97,25 @@ def open_queue(grid: Grid, scale: str, url: str, heartbeat_s: int) -> Queue:
     return Queue(study, storage, storage.get_study_id_from_name(name))
 
 
-def enqueue_cells(queue: Queue, cells: list[Cell], ctx: SweepContext, force: bool) -> list[Cell]:
-    """Enqueue the runnable cells that need training and are not queued already; return the
-    cells this sweep waits for (those enqueued now and those already in flight)."""
-    in_flight = {t.user_attrs.get("run_key") for t in queue.in_flight()}
-    wanted = []
+def enqueue_cells(queue: Queue, cells: list[Cell], ctx: SweepContext, force: bool) -> dict[str, int]:
+    """Enqueue the runnable cells that need training and are not queued already.
+
+    Returns:
+        For each cell this sweep waits for (enqueued now, or already in flight), the number of
+        its first trial that counts for this sweep.
+    """
+    first_new = len(queue.study.get_trials(deepcopy=False))
+    in_flight: dict[str, int] = {}
+    for t in queue.in_flight():
+        key = t.user_attrs.get("run_key")
+        in_flight[key] = min(t.number, in_flight.get(key, t.number))
+    wanted: dict[str, int] = {}
     for cell in cells:
         if cell.unsupported or (not force and ctx.tracker.done_run(cell.run_key) is not None):
             continue
-        wanted.append(cell)
+        wanted[cell.run_key] = in_flight.get(cell.run_key, first_new)
         if cell.run_key not in in_flight:
-            attrs = {"run_key": cell.run_key, "row": cell.row.id, "seed": cell.seed, "force": force}
+            attrs = dict(zip(CELL_ATTRS, (cell.run_key, cell.row.id, cell.seed, force)))
             queue.study.enqueue_trial({}, user_attrs=attrs)
     return wanted
 
@@ -121,7 +130,10 @@ class Heartbeat:
 
     def _beat(self) -> None:
         while True:
-            self.storage.record_heartbeat(self.trial_id)
+            try:
+                self.storage.record_heartbeat(self.trial_id)
+            except Exception as err:  # a dropped connection must not end the heartbeat for good
+                warnings.warn(f"heartbeat of trial {self.trial_id} failed, retrying: {err}", stacklevel=1)
             if self._done.wait(self.interval):
                 return
 
@@ -138,12 +150,15 @@ def pop_cell(queue: Queue, known: set[str]) -> FrozenTrial | None:
     """Take one WAITING trial of a cell in ``known`` (set it RUNNING); None when there is none.
 
     ``set_trial_state_values(RUNNING)`` returns False for every process but the first, so one
-    trial goes to exactly one worker (the same check-and-set as ``Study.ask``)."""
+    trial goes to exactly one worker (the same check-and-set as ``Study.ask``). Its first
+    heartbeat is recorded at once: Optuna never fails a RUNNING trial that has none."""
     for trial in queue.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
         if trial.user_attrs.get("run_key") not in known:  # a cell of another version of the grid
             continue
+        trial_id = queue.trial_id(trial)
         try:
-            if queue.storage.set_trial_state_values(queue.trial_id(trial), state=TrialState.RUNNING):
+            if queue.storage.set_trial_state_values(trial_id, state=TrialState.RUNNING):
+                queue.storage.record_heartbeat(trial_id)
                 return trial
         except optuna.exceptions.UpdateFinishedTrialError:
             continue
@@ -161,17 +176,27 @@ def older_twin(queue: Queue, trial: FrozenTrial) -> FrozenTrial | None:
 
 def record(
     queue: Queue, trial: FrozenTrial, outcome: str, note: str = "", avg_ppl: float | None = None
-) -> None:
+) -> bool:
     """Store the outcome (and the Avg PPL, as the trial's value) on the trial and end it:
-    COMPLETE for a result, FAIL for a failed or killed cell (the next driver enqueues it again)."""
+    COMPLETE for a result, FAIL for a failed or killed cell. A killed cell (Ctrl-C, a
+    pre-empted machine) goes straight back into the queue, for any worker still running.
+
+    Returns False when the trial was no longer this worker's: its heartbeat lapsed and another
+    worker failed it (and took the cell over)."""
     trial_id = queue.trial_id(trial)
-    queue.storage.set_trial_user_attr(trial_id, "outcome", outcome)
-    queue.storage.set_trial_user_attr(trial_id, "worker", worker_name())
-    if note:
-        queue.storage.set_trial_user_attr(trial_id, "note", note[:2000])
     state = TrialState.COMPLETE if outcome in RESULTS else TrialState.FAIL
-    values = [avg_ppl] if avg_ppl is not None else None
-    queue.storage.set_trial_state_values(trial_id, state=state, values=values)
+    try:
+        queue.storage.set_trial_user_attr(trial_id, "outcome", outcome)
+        queue.storage.set_trial_user_attr(trial_id, "worker", worker_name())
+        if note:
+            queue.storage.set_trial_user_attr(trial_id, "note", note[:2000])
+        values = [avg_ppl] if avg_ppl is not None else None
+        queue.storage.set_trial_state_values(trial_id, state=state, values=values)
+    except optuna.exceptions.UpdateFinishedTrialError:
+        return False
+    if outcome == KILLED:
+        queue.study.enqueue_trial({}, user_attrs={k: trial.user_attrs[k] for k in CELL_ATTRS})
+    return True
 
 
 def run_worker(
@@ -190,6 +215,7 @@ def run_worker(
     scale = cells[0].scale
     ctx = prepare_sweep(grid, cells, results_dir, cache_root, stop, out)
     queue = open_queue(grid, scale, url, heartbeat_s)
+    stop.arm()
     by_key = {c.run_key: c for c in cells if not c.unsupported}
     clock = SweepClock(len(by_key))
     me = worker_name()
@@ -204,13 +230,17 @@ def run_worker(
             continue
         cell = by_key[trial.user_attrs["run_key"]]
         prefix = f"[{me}] {cell.row.id} s{cell.seed}"
+        if stop.signum is not None:  # the signal came while popping: give the cell back
+            record(queue, trial, KILLED, "not started: the worker was interrupted")
+            break
         twin = older_twin(queue, trial)
         if twin is not None:
             record(queue, trial, DUPLICATE, f"trial {twin.number} has this cell")
             continue
         with Heartbeat(queue.storage, queue.trial_id(trial), heartbeat_s):
             outcome = run_cell(cell, ctx, prefix, clock, force=bool(trial.user_attrs.get("force")))
-        record(queue, trial, outcome.status, outcome.note, outcome.avg_ppl)
+        if not record(queue, trial, outcome.status, outcome.note, outcome.avg_ppl):
+            out(f"{prefix}: trial {trial.number} was taken over after its heartbeat lapsed")
         outcomes.append(outcome)
     return outcomes
 
@@ -235,10 +265,10 @@ def run_queued_sweep(
     rows, results folder and storage. SIGINT and SIGTERM reach the workers (SIGTERM is forwarded),
     each saves its cell and marks it killed; the driver waits for them.
     """
-    started = datetime.now()
     ctx = prepare_sweep(grid, cells, results_dir, cache_root, stop, out)
     queue = open_queue(grid, cells[0].scale, url, heartbeat_s)
     wanted = enqueue_cells(queue, cells, ctx, force)
+    stop.arm()
     runnable = [c for c in cells if not c.unsupported]
     out(
         f"sweep {grid.name} at scale {cells[0].scale}: {len(cells)} cells, {len(wanted)} queued for "
@@ -247,7 +277,7 @@ def run_queued_sweep(
     )
     threads = max(1, (os.cpu_count() or 1) // workers)
     command = [sys.executable, "-m", "sweep.cli", "worker", *worker_args, "--threads", str(threads)]
-    procs = [subprocess.Popen(command) for _ in range(workers if wanted else 0)]
+    procs = [subprocess.Popen(command) for _ in range(workers if wanted and stop.signum is None else 0)]
     forwarded = False
     while any(p.poll() is None for p in procs):
         if stop.signum is not None and not forwarded:
@@ -259,21 +289,21 @@ def run_queued_sweep(
     for i, p in enumerate(procs):
         if p.returncode not in (0, 1, 130, 143):
             out(f"worker {i} (pid {p.pid}) exited with status {p.returncode}")
-    return queue_outcomes(queue, cells, wanted, ctx, started)
+    return queue_outcomes(queue, cells, wanted, ctx)
 
 
 def queue_outcomes(
-    queue: Queue, cells: list[Cell], wanted: list[Cell], ctx: SweepContext, since: datetime
+    queue: Queue, cells: list[Cell], wanted: dict[str, int], ctx: SweepContext
 ) -> list[Outcome]:
     """One outcome per cell: unsupported, skipped (a result before this sweep), or the last
-    outcome a worker recorded for it since ``since``."""
+    outcome a worker recorded on one of its trials from ``wanted[run_key]`` on (trial numbers,
+    not clocks: the workers may be on other machines)."""
     last: dict[str, FrozenTrial] = {}
-    for t in queue.study.get_trials(deepcopy=False):
-        recorded = t.user_attrs.get("outcome")
-        if recorded and recorded != DUPLICATE and t.datetime_complete and t.datetime_complete >= since:
-            if t.user_attrs["run_key"] not in last or t.number > last[t.user_attrs["run_key"]].number:
-                last[t.user_attrs["run_key"]] = t
-    queued = {c.run_key for c in wanted}
+    for t in queue.study.get_trials(deepcopy=False):  # in trial-number order
+        key, recorded = t.user_attrs.get("run_key"), t.user_attrs.get("outcome")
+        if key in wanted and recorded and recorded != DUPLICATE and t.number >= wanted[key]:
+            last[key] = t
+    queued = set(wanted)
     outcomes = []
     for cell in cells:
         if cell.unsupported:

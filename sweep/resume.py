@@ -86,6 +86,12 @@ def save_at_step_start(trainer: pl.Trainer, path: Path) -> None:
     trainer.strategy.save_checkpoint(checkpoint, path)
 
 
+def drop_step_checkpoints(folder: Path) -> None:
+    """Remove the training-state files (and any ``.tmp``) once a run has its result recorded."""
+    for path in folder.glob("step*.ckpt*"):
+        path.unlink()
+
+
 def latest_checkpoint(folder: Path) -> Path | None:
     """The resumable checkpoint with the highest step in ``folder`` (``step<N>.ckpt``), or None."""
     found = [(int(m.group(1)), p) for p in folder.glob("step*.ckpt") if (m := _STEP_FILE.match(p.name))]

@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 
@@ -27,6 +28,7 @@ from sweep.resume import (
     AtomicCheckpointIO,
     PeriodicCheckpoint,
     ResumingMLFlowLogger,
+    drop_step_checkpoints,
     latest_checkpoint,
     logged_steps,
 )
@@ -36,6 +38,7 @@ from sweep.tracking import (
     STATUS_FAILED,
     STATUS_FINISHED,
     STATUS_KILLED,
+    STATUS_RUNNING,
     STATUS_SUPERSEDED,
     Tracker,
     check_reachable,
@@ -78,6 +81,24 @@ def worker_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+def live_owner(run: Any) -> str | None:
+    """The ``worker`` tag of a ``running`` run whose process is alive on this machine, else None.
+    (A process on another machine cannot be checked; the queue's heartbeats cover that case.)"""
+    owner = run.data.tags.get("worker", "")
+    host, _, pid = owner.rpartition(":")
+    if run.data.tags.get("status") != STATUS_RUNNING or host != socket.gethostname() or not pid.isdigit():
+        return None
+    if int(pid) == os.getpid():
+        return None
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:  # alive, another user's
+        return owner
+    return owner
+
+
 def checkpoint_dir(results_dir: Path, experiment: str, run_id: str) -> Path:
     """Where one run's checkpoints live: ``results/checkpoints/<experiment>/<run_id>/``.
 
@@ -105,7 +126,8 @@ def train_cell(
     probes of ``experiments.probes`` (metrics at the last step, ``probes/`` artifacts) beside
     what :class:`LMModule` logs during training. The training state is checkpointed every
     ``train.checkpoint_every`` steps into ``checkpoints`` (the latest kept); a finished cell
-    leaves only the final weights, ``final.ckpt``, saved before probing. A probe that fails
+    also gets its final weights, ``final.ckpt``, saved before probing; the caller removes the
+    step files once the result is recorded (:func:`sweep.resume.drop_step_checkpoints`). A probe that fails
     (out of memory, say) leaves a finished run without probe metrics and a ``probe_error`` tag.
 
     ``extra_callbacks`` join the trainer's (the LR search's pruning callback, say); whatever
@@ -168,8 +190,6 @@ def train_cell(
     final["params/added"] = module.n_params - baseline_params
     tracker.log_metrics(run_id, {k: final[k] for k in ("params/total", "params/added")})
     trainer.save_checkpoint(checkpoints / FINAL_CHECKPOINT, weights_only=True)
-    for old in checkpoints.glob("step*.ckpt*"):
-        old.unlink()  # the run is done: only its final weights are kept
     tracker.client.set_tag(run_id, "checkpoint", str(checkpoints / FINAL_CHECKPOINT))
     module.to(trainer.strategy.root_device)  # Lightning's teardown moved it to the CPU
     try:
@@ -231,8 +251,11 @@ def run_cell(cell: Cell, ctx: SweepContext, prefix: str, clock: SweepClock, forc
 
     - A cell with a ``finished`` or ``diverged`` run is skipped (unless ``force``).
     - A cell whose newest run is ``running`` (its process died), ``failed`` or ``killed``
-      continues in that run from its latest ``step<N>.ckpt`` (from scratch if it has none);
-      metric points the run already holds are not logged again.
+      continues in that run from its latest ``step<N>.ckpt``; metric points the run already
+      holds are not logged again. Without a checkpoint that run is deleted and the cell starts
+      over in a new one (its points belong to a trajectory nobody can continue).
+    - A ``running`` run whose ``worker`` tag names a live process on this machine is left alone
+      (skipped): two sweeps on one store without the queue.
     - Otherwise a new run is created.
 
     Returns:
@@ -247,19 +270,24 @@ def run_cell(cell: Cell, ctx: SweepContext, prefix: str, clock: SweepClock, forc
     if done is not None and not force:
         return Outcome(cell, SKIPPED, note=f"{done.data.tags['status']} earlier")
     unfinished = tracker.resumable_run(cell.run_key)
+    if unfinished is not None and (owner := live_owner(unfinished)):
+        return Outcome(cell, SKIPPED, note=f"being trained by {owner}")
     resume_from, replayed = None, {}
     if unfinished is not None:
-        run_id = unfinished.info.run_id
-        checkpoints = checkpoint_dir(ctx.results_dir, tracker.experiment, run_id)
+        checkpoints = checkpoint_dir(ctx.results_dir, tracker.experiment, unfinished.info.run_id)
         resume_from = latest_checkpoint(checkpoints)
+    if resume_from is not None:
+        run_id = unfinished.info.run_id
         for stale in checkpoints.glob("step*.ckpt*"):
             if stale != resume_from:
                 stale.unlink()
         replayed = logged_steps(tracker.client, run_id)
         tracker.reopen(run_id)
-        where = f"from {resume_from.name}" if resume_from else "from step 0 (no checkpoint yet)"
-        out(f"{prefix} resuming run {run_id} ({unfinished.data.tags.get('status')}) {where}")
+        out(f"{prefix} resuming run {run_id} ({unfinished.data.tags.get('status')}) from {resume_from.name}")
     else:
+        if unfinished is not None:  # died before its first checkpoint: its points cannot be continued
+            tracker.delete(unfinished.info.run_id)
+            out(f"{prefix} restarting: run {unfinished.info.run_id} died before its first checkpoint")
         run_id = tracker.start_cell(cell)
         checkpoints = checkpoint_dir(ctx.results_dir, tracker.experiment, run_id)
     tracker.client.set_tag(run_id, "worker", worker_name())
@@ -309,6 +337,7 @@ def run_cell(cell: Cell, ctx: SweepContext, prefix: str, clock: SweepClock, forc
         tracker.finish(run_id, STATUS_KILLED, "interrupted twice: resumes from the last periodic checkpoint")
         raise
     tracker.finish(run_id, STATUS_FINISHED)
+    drop_step_checkpoints(checkpoints)  # the result is recorded: only final.ckpt is kept
     for old in earlier:  # FORCE: the old result steps aside only once the new one exists
         if old.data.tags.get("status") in DONE_STATUSES:
             tracker.client.set_tag(old.info.run_id, "status", STATUS_SUPERSEDED)
@@ -358,6 +387,7 @@ def run_sweep(
         TrackingError, CorpusError: before any run exists (see :func:`prepare_sweep`).
     """
     ctx = prepare_sweep(grid, cells, results_dir, cache_root, stop, out)
+    ctx.stop.arm()
     runnable = [c for c in cells if not c.unsupported]
     todo = [c for c in runnable if force or ctx.tracker.done_run(c.run_key) is None]
     out(

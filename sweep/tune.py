@@ -33,6 +33,7 @@ from optuna.trial import TrialState
 from experiments.stability import Diverged
 from sweep.grid import Cell, Grid, Row, run_key
 from sweep.progress import ProgressPrinter, SweepClock
+from sweep.resume import drop_step_checkpoints
 from sweep.runner import checkpoint_dir, quiet_lightning, train_cell
 from sweep.storage import make_storage, storage_url
 from sweep.tracking import STATUS_DIVERGED, STATUS_FAILED, STATUS_FINISHED, Tracker, tracking_uri
@@ -162,6 +163,7 @@ def tune_row(
         trial.set_user_attr("mlflow_run_id", child)
         prefix = f"[{name} #{trial.number}] lr {lr:.2e}"
         started = time.perf_counter()
+        checkpoints = checkpoint_dir(results_dir, tracker.experiment, child)
         try:
             final = train_cell(
                 cell,
@@ -170,11 +172,12 @@ def tune_row(
                 0,
                 ProgressPrinter(prefix, clock, out),
                 cache_root,
-                checkpoint_dir(results_dir, tracker.experiment, child),
+                checkpoints,
                 [StepPruningCallback(trial)],
             )
         except optuna.TrialPruned as err:
             _close(tracker, child, STATUS_FINISHED, "pruned", str(err))
+            drop_step_checkpoints(checkpoints)  # a pruned trial is never resumed
             out(f"{prefix} pruned: {err}")
             raise
         except Diverged as err:  # a result: the LR was too large; pruned, with the reason kept
@@ -189,6 +192,7 @@ def tune_row(
             clock.cell_done(time.perf_counter() - started)
         value = final["val/ppl/avg"]
         _close(tracker, child, STATUS_FINISHED, "complete", None)
+        drop_step_checkpoints(checkpoints)
         out(f"{prefix} done: Avg PPL {value:.2f}")
         return value
 
