@@ -16,7 +16,7 @@ from mlflow.entities import ViewType
 from sweep.cli import main
 from sweep.grid import load_grid
 from sweep.interrupt import StopRequest
-from sweep.queue import enqueue_cells, open_queue, pop_cell, run_worker
+from sweep.queue import enqueue_cells, open_queue, pop_cell, record, run_worker
 from sweep.runner import prepare_sweep
 from sweep.storage import storage_url
 from tests.conftest import LONG_MICRO, LONG_STEPS, MICRO, ROOT, start_slow_cli, wait_for_checkpoint
@@ -149,3 +149,53 @@ def test_a_cell_enqueued_twice_is_trained_once(env: None, tmp_path: Path) -> Non
     assert younger.user_attrs["note"] == "trial 0 has this cell"
     assert retry.system_attrs["failed_trial"] == 0 and retry.user_attrs["outcome"] == "finished"
     assert len(all_cell_runs(results)) == 1
+
+
+def test_a_killed_cell_goes_back_into_the_queue_and_a_lapsed_trial_is_not_overwritten(
+    env: None, tmp_path: Path
+) -> None:
+    grid_path = tmp_path / "micro.yaml"
+    grid_path.write_text(MICRO)
+    results = tmp_path / "results"
+    results.mkdir()
+    grid = load_grid(grid_path)
+    cells = [c for c in grid.cells("tiny") if c.row.id == "baseline"]
+    ctx = prepare_sweep(grid, cells, results, ROOT / ".cache", out=lambda _line: None)
+    queue = open_queue(grid, "tiny", storage_url(results, None), heartbeat_s=1)
+    assert enqueue_cells(queue, cells, ctx, force=False) == {cells[0].run_key: 0}
+    assert enqueue_cells(queue, cells, ctx, force=False) == {cells[0].run_key: 0}  # in flight: once
+
+    taken = pop_cell(queue, {cells[0].run_key})
+    assert pop_cell(queue, {cells[0].run_key}) is None  # one trial, one worker
+    assert record(queue, taken, "killed", "SIGTERM at step 12")
+    killed, back = queue_trials(results)
+    assert killed.state == optuna.trial.TrialState.FAIL and killed.user_attrs["outcome"] == "killed"
+    assert back.state == optuna.trial.TrialState.WAITING
+    assert back.user_attrs == {"run_key": cells[0].run_key, "row": "baseline", "seed": 0, "force": False}
+
+    again = pop_cell(queue, {cells[0].run_key})
+    queue.storage.set_trial_state_values(queue.trial_id(again), state=optuna.trial.TrialState.FAIL)
+    assert not record(queue, again, "finished", avg_ppl=1.0)  # failed by a stale check meanwhile
+
+
+def test_a_running_run_of_a_live_process_on_this_host_is_left_alone() -> None:
+    import socket
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from sweep.runner import live_owner
+
+    def run(status: str, pid: int) -> SimpleNamespace:
+        tags = {"status": status, "worker": f"{socket.gethostname()}:{pid}"}
+        return SimpleNamespace(data=SimpleNamespace(tags=tags))
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert live_owner(run("running", proc.pid)) == f"{socket.gethostname()}:{proc.pid}"
+        assert live_owner(run("killed", proc.pid)) is None  # not running: resumable
+        assert live_owner(run("running", os.getpid())) is None  # this process
+    finally:
+        proc.kill()
+        proc.wait()
+    assert live_owner(run("running", proc.pid)) is None  # dead: resumable
