@@ -5,6 +5,8 @@
 #   SEEDS number of seeds      (default: the grid's own)
 #   ROWS  comma-separated row ids (default: all)
 #   FORCE 1 retrains finished cells
+#   WORKERS  cells trained at once (default 1; >1 goes through the Optuna queue in STORAGE)
+#   STORAGE  Optuna RDB URL for the sweep's queue and the LR search (default results/optuna.db)
 GRID  ?= grids/table1.yaml
 SCALE ?= tiny
 SEEDS ?=
@@ -12,6 +14,7 @@ ROWS  ?=
 FORCE ?=
 PORT  ?= 5000
 TRIALS ?= 8
+WORKERS ?= 1
 STORAGE ?=
 DASHBOARD_PORT ?= 8080
 # A CPU build of torch here; any CUDA build >= 2.5 works elsewhere (TORCH_SPEC="torch" or preinstalled).
@@ -35,7 +38,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 sweep: $(STAMP)
-	$(PY) -m sweep.cli sweep $(ARGS)
+	$(PY) -m sweep.cli sweep $(ARGS) --workers $(WORKERS) $(if $(STORAGE),--storage '$(STORAGE)')
 
 tables: $(STAMP)
 	$(PY) -m sweep.cli tables $(ARGS)

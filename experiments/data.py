@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightning.pytorch as pl
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from experiments.config import DataConfig, TrainConfig
 from experiments.corpus import Corpus, build_corpus
@@ -32,6 +33,26 @@ class RandomWindows(Dataset):
     def __getitem__(self, i: int) -> torch.Tensor:
         s = int(self.starts[i])
         return torch.from_numpy(self.tokens[s : s + self.seq_len + 1].astype(np.int64))  # (seq_len + 1,)
+
+
+class ResumingSampler(Sampler[int]):
+    """Indices ``start, ..., n - 1`` of an epoch of ``n`` items, with ``len`` the whole epoch.
+
+    A run resumed after ``k`` optimiser steps starts at item ``k * batch_size``: the data
+    position is the trainer's step, so it needs no state of its own. The length stays ``n`` so
+    Lightning's epoch (and its validation interval) is the one the run started with.
+    """
+
+    def __init__(self, n: int, start: int = 0) -> None:
+        if not 0 <= start <= n:
+            raise ValueError(f"start {start} outside an epoch of {n} items")
+        self.n, self.start = n, start
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.start, self.n))
 
 
 class HeldOutWindows(Dataset):
@@ -88,7 +109,10 @@ class CorpusDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         t = self.train_cfg
         ds = RandomWindows(self.corpus.tokens("train"), t.seq_len, t.max_steps * t.batch_size, self.seed)
-        return DataLoader(ds, batch_size=t.batch_size, shuffle=False, num_workers=0, drop_last=True)
+        # A resumed fit has restored the trainer's step before it asks for this loader.
+        steps_done = self.trainer.global_step if self.trainer is not None else 0
+        sampler = ResumingSampler(len(ds), steps_done * t.batch_size)
+        return DataLoader(ds, batch_size=t.batch_size, sampler=sampler, num_workers=0, drop_last=True)
 
     def val_dataloader(self) -> list[DataLoader]:
         t = self.train_cfg

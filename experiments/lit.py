@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import random
 import time
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,6 +28,34 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return cfg.max_lr * (step + 1) / cfg.warmup_steps
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
     return cfg.min_lr + 0.5 * (cfg.max_lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def rng_state() -> dict:
+    """Python, NumPy, torch CPU and (when present) CUDA generator states, in a form
+    ``torch.load(weights_only=True)`` accepts (tensors, ints, strings, lists)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    state = {
+        "python": [version, list(internal), gauss_next],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` returned. :class:`LMModule` does it at the first step of a
+    resumed run, where the checkpoint was saved (a step's start, the loaders already iterating),
+    so the run draws from there what it would have drawn without the interruption."""
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def auto_precision(requested: str) -> str:
@@ -72,6 +102,7 @@ class LMModule(pl.LightningModule):
         self._nll_sum = torch.zeros(len(self.domains), dtype=torch.float64)
         self._tok_count = torch.zeros(len(self.domains), dtype=torch.float64)
         self._step_clock = 0.0
+        self._resumed_rng: dict | None = None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, T) token ids -> (B, T, V) logits."""
@@ -92,6 +123,9 @@ class LMModule(pl.LightningModule):
         return loss
 
     def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> None:
+        if self._resumed_rng is not None:  # the state saved at the start of this same step
+            set_rng_state(self._resumed_rng)
+            self._resumed_rng = None
         self._step_clock = time.perf_counter()  # per step, so validation time is never counted
 
     def on_train_batch_end(self, outputs, batch: torch.Tensor, batch_idx: int) -> None:
@@ -138,11 +172,18 @@ class LMModule(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["stability"] = self.spikes.state_dict()
         checkpoint["validations"] = self.validations
+        checkpoint["last_val"] = {"figures": dict(self.last_val), "step": self.last_val_step}
+        checkpoint["rng"] = rng_state()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if "stability" in checkpoint:
             self.spikes.load_state_dict(checkpoint["stability"])
             self.validations = checkpoint["validations"]
+        if "last_val" in checkpoint:
+            self.last_val = dict(checkpoint["last_val"]["figures"])
+            self.last_val_step = checkpoint["last_val"]["step"]
+        if "rng" in checkpoint:  # set at the first step: creating the loaders draws from it
+            self._resumed_rng = checkpoint["rng"]
 
     def configure_optimizers(self):
         t = self.cfg.train

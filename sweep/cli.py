@@ -16,6 +16,7 @@ from pathlib import Path
 
 from experiments.corpus import CorpusError
 from sweep.grid import GridError, load_grid
+from sweep.storage import HEARTBEAT_S
 from sweep.tracking import TrackingError
 
 
@@ -31,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
         ("tables", "write results/<grid>.{md,csv,tex} from the tracking store"),
         ("params", "print total and added parameters per row (meta device, no training)"),
         ("tune", "Optuna search of each row's max learning rate, then results/lr_search.*"),
+        ("worker", "train cells from the sweep's queue until it is empty (started by sweep --workers)"),
     ):
         s = sub.add_parser(name, help=text)
         s.add_argument("--grid", default="grids/table1.yaml", help="grid YAML file")
@@ -39,9 +41,18 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--rows", default=None, help="comma-separated row ids (default: all)")
         s.add_argument("--force", action="store_true", help="retrain cells that already finished")
         s.add_argument("--results", default="results", help="results folder (store, tables)")
+        if name in ("sweep", "worker", "tune"):
+            s.add_argument("--storage", default=None, help="Optuna RDB URL (default results/optuna.db)")
+        if name in ("sweep", "worker"):
+            s.add_argument("--heartbeat", type=int, default=HEARTBEAT_S, help=argparse.SUPPRESS)
+        if name == "sweep":
+            s.add_argument(
+                "--workers", type=int, default=1, help="worker processes; >1 (or --storage) uses the queue"
+            )
+        if name == "worker":
+            s.add_argument("--threads", type=int, default=None, help="torch threads of this worker")
         if name == "tune":
             s.add_argument("--trials", type=int, default=8, help="trials per row (complete or pruned)")
-            s.add_argument("--storage", default=None, help="Optuna RDB URL (default results/optuna.db)")
             s.add_argument("--lr-range", default="1e-4,1e-2", help="log-uniform max LR range, lo,hi")
             s.add_argument("--ladder", default=None, help="fixed max LRs, a,b,c (grid sampler)")
     return p
@@ -65,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.seeds is not None and args.seeds < 1:
         print("error: --seeds must be at least 1", file=sys.stderr)
         return 2
+    for flag in ("workers", "heartbeat"):
+        if getattr(args, flag, 1) < 1:
+            print(f"error: --{flag} must be at least 1, got {getattr(args, flag)}", file=sys.stderr)
+            return 2
     seeds = list(range(args.seeds)) if args.seeds else None
     rows = [r for r in args.rows.split(",") if r] if args.rows else None
     results = Path(args.results)
@@ -86,25 +101,79 @@ def main(argv: list[str] | None = None) -> int:
             paths = write_tables(grid, args.scale, results, _command_line(), seeds)
             print(f"wrote {', '.join(map(str, paths.values()))}")
             return 0
-        from sweep.runner import FAILED, run_sweep, summary_line
+        from sweep.interrupt import StopRequest
+        from sweep.runner import FAILED, KILLED, run_sweep, summary_line
 
         started = time.perf_counter()
         cache = Path(os.environ["GATED_ATTN_CACHE"]) if os.environ.get("GATED_ATTN_CACHE") else None
-        outcomes = run_sweep(grid, cells, results, force=args.force, cache_root=cache)
-        paths = write_tables(grid, args.scale, results, _command_line(), seeds)
+        if args.command == "worker":
+            return _worker(args, grid, cells, results, cache)
+        with StopRequest() as stop:
+            try:
+                if args.workers > 1 or args.storage:
+                    from sweep.queue import run_queued_sweep
+                    from sweep.storage import storage_url
+
+                    url = storage_url(results, args.storage)
+                    outcomes = run_queued_sweep(
+                        grid, cells, results, args.workers, url, _worker_args(args, url), args.heartbeat,
+                        args.force, cache, stop,
+                    )  # fmt: skip
+                else:
+                    outcomes = run_sweep(grid, cells, results, force=args.force, cache_root=cache, stop=stop)
+            except (KeyboardInterrupt, SystemExit):  # Ctrl-C before training, or twice
+                if stop.signum is None:
+                    raise
+                print("sweep interrupted; run the same command again to resume", file=sys.stderr)
+                return stop.exit_code
         minutes = (time.perf_counter() - started) / 60
+        if stop.signum is not None:
+            print(f"sweep interrupted after {minutes:.1f} min: {summary_line(outcomes)}")
+            print("state saved; run the same command again to resume")
+            return stop.exit_code
+        paths = write_tables(grid, args.scale, results, _command_line(), seeds)
         print(f"sweep finished in {minutes:.1f} min: {summary_line(outcomes)}")
         for o in outcomes:
-            if o.status == FAILED:
-                print(f"  failed: {o.cell.row.id} seed {o.cell.seed}: {o.note}")
+            if o.status in (FAILED, KILLED):
+                print(f"  {o.status}: {o.cell.row.id} seed {o.cell.seed}: {o.note}")
         print(f"table: {paths['md']} (also .csv, .tex); browse the runs with: make ui")
         figures = [str(p) for k, p in paths.items() if k not in ("md", "csv", "tex")]
         if figures:
             print(f"figures: {', '.join(figures)}")
-        return 1 if any(o.status == FAILED for o in outcomes) else 0
-    except (GridError, TrackingError, CorpusError, UsageError) as err:
+        return 1 if any(o.status in (FAILED, KILLED) for o in outcomes) else 0
+    except CorpusError as err:
+        print(f"error: {args.grid}: data.sources: {err}", file=sys.stderr)
+        return 2
+    except (GridError, TrackingError, UsageError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+
+
+def _worker_args(args: argparse.Namespace, url: str) -> list[str]:
+    """The ``worker`` command line that names the driver's grid, cells, results and queue."""
+    out = ["--grid", args.grid, "--scale", args.scale, "--results", args.results, "--storage", url]
+    out += ["--heartbeat", str(args.heartbeat)]
+    out += ["--seeds", str(args.seeds)] if args.seeds else []
+    return out + (["--rows", args.rows] if args.rows else [])
+
+
+def _worker(args: argparse.Namespace, grid, cells, results: Path, cache: Path | None) -> int:
+    import torch
+
+    from sweep.interrupt import StopRequest
+    from sweep.queue import run_worker
+    from sweep.runner import FAILED
+    from sweep.storage import storage_url
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with StopRequest() as stop:
+        outcomes = run_worker(
+            grid, cells, results, storage_url(results, args.storage), args.heartbeat, cache, stop
+        )
+    if stop.signum is not None:
+        return stop.exit_code
+    return 1 if any(o.status == FAILED for o in outcomes) else 0
 
 
 def _floats(text: str, what: str) -> list[float]:

@@ -45,6 +45,7 @@ class ProgressPrinter(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.started = time.perf_counter()
+        self.first_step = trainer.global_step  # > 0 for a resumed run
         self.report_at = {1} | {round(trainer.max_steps * k / 4) for k in range(1, 5)}
 
     def on_train_batch_end(
@@ -56,11 +57,12 @@ class ProgressPrinter(pl.Callback):
         if step not in self.report_at:
             return
         elapsed = time.perf_counter() - self.started
-        if step == 1:  # the first step carries start-up costs: no estimate from it
-            self.out(f"{self.prefix} | step 1/{total} | loss {self.loss_ema:.3f} | started")
+        done = step - self.first_step  # steps this process trained
+        if done <= 1:  # the first step carries start-up costs: no estimate from it
+            self.out(f"{self.prefix} | step {step}/{total} | loss {self.loss_ema:.3f} | started")
             return
-        cell_total = elapsed / step * total
-        tok_s = step * batch[:, 1:].numel() / max(elapsed, 1e-9)
+        cell_total = elapsed / done * (total - self.first_step)
+        tok_s = done * batch[:, 1:].numel() / max(elapsed, 1e-9)
         self.out(
             f"{self.prefix} | step {step}/{total} | loss {self.loss_ema:.3f} | {tok_s / 1e3:.1f}k tok/s | "
             f"cell {_clock(cell_total - elapsed)} left | "

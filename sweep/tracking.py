@@ -23,8 +23,13 @@ STATUS_FAILED = "failed"
 STATUS_RUNNING = "running"
 STATUS_SUPERSEDED = "superseded"  # a finished run replaced by a FORCE retrain; kept for history
 STATUS_DIVERGED = "diverged"  # a result, like finished: the loss blew up (Table 2 prints "-")
+STATUS_KILLED = "killed"  # stopped by Ctrl-C / SIGTERM after saving a checkpoint
 #: Statuses whose run is a result: a sweep skips the cell and the tables count it.
 DONE_STATUSES = (STATUS_FINISHED, STATUS_DIVERGED)
+#: Statuses of an attempt that did not end: the next sweep resumes it in the same run.
+#: ``running`` with no live process means its process died (``kill -9``, a dead machine).
+RESUMABLE_STATUSES = (STATUS_RUNNING, STATUS_FAILED, STATUS_KILLED)
+_MLFLOW_END = {STATUS_FINISHED: "FINISHED", STATUS_DIVERGED: "FINISHED", STATUS_KILLED: "KILLED"}
 
 
 class TrackingError(RuntimeError):
@@ -62,6 +67,31 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"
+
+
+def check_reachable(uri: str, timeout_s: float = 10.0) -> None:
+    """Fail fast on a tracking server that does not answer (MLflow's own client retries for
+    minutes) or a SQLite store whose folder does not exist.
+
+    Raises:
+        TrackingError: with the URI and the reason, one line.
+    """
+    if uri.startswith(("http://", "https://")):
+        import requests
+
+        try:
+            requests.get(f"{uri.rstrip('/')}/health", timeout=timeout_s)
+        except requests.RequestException as err:
+            raise TrackingError(f"tracking store {uri} is not reachable: {type(err).__name__}") from None
+    elif uri.startswith("sqlite:///"):
+        folder = Path(uri.removeprefix("sqlite:///")).parent
+        if not folder.is_dir():
+            raise TrackingError(f"tracking store {uri} is not usable: folder {folder} does not exist")
+
+
 class Tracker:
     """Thin wrapper over ``MlflowClient`` for one experiment.
 
@@ -78,18 +108,24 @@ class Tracker:
         from mlflow import MlflowClient
 
         self.uri = uri
-        self.client = MlflowClient(tracking_uri=uri)
+        check_reachable(uri)
         try:
+            self.client = MlflowClient(tracking_uri=uri)
             found = self.client.get_experiment_by_name(experiment)
             if found is None:
                 location = None
                 if uri.startswith("sqlite:") and artifact_root is not None:
                     location = (artifact_root / experiment).resolve().as_uri()
-                self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
-            else:
+                try:
+                    self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
+                except Exception:  # another driver created it a moment ago
+                    found = self.client.get_experiment_by_name(experiment)
+                    if found is None:
+                        raise
+            if found is not None:
                 self.experiment_id = found.experiment_id
         except Exception as err:  # MLflow raises many types for an unreachable store
-            raise TrackingError(f"tracking store {uri} is not usable: {str(err).splitlines()[0]}") from None
+            raise TrackingError(f"tracking store {uri} is not usable: {_first_line(err)}") from None
         self.experiment = experiment
 
     def runs_for(self, run_key: str) -> list[Any]:
@@ -99,6 +135,19 @@ class Tracker:
             filter_string=f"tags.run_key = '{run_key}'",
             order_by=["attributes.start_time DESC"],
         )
+
+    def resumable_run(self, run_key: str) -> Any | None:
+        """The newest run of ``run_key`` that did not end (running, failed or killed), if any."""
+        return next(
+            (r for r in self.runs_for(run_key) if r.data.tags.get("status") in RESUMABLE_STATUSES), None
+        )
+
+    def reopen(self, run_id: str) -> None:
+        """Mark an unfinished run as running again, for a resumed attempt."""
+        self.client.update_run(run_id, status="RUNNING")
+        self.client.set_tag(run_id, "status", STATUS_RUNNING)
+        resumes = int(self.client.get_run(run_id).data.tags.get("resumed", 0))
+        self.client.set_tag(run_id, "resumed", str(resumes + 1))  # how many times it resumed
 
     def done_run(self, run_key: str) -> Any | None:
         """The newest run of ``run_key`` that is a result (``finished`` or ``diverged``), if any."""
@@ -165,11 +214,12 @@ class Tracker:
         self.client.log_dict(run_id, payload, name)
 
     def finish(self, run_id: str, status: str, note: str | None = None) -> None:
-        """Set the ``status`` tag and end the run (FINISHED, or FAILED for any other status)."""
+        """Set the ``status`` tag and end the run (MLflow FINISHED for a result, KILLED for
+        ``killed``, FAILED otherwise)."""
         self.client.set_tag(run_id, "status", status)
         if note:
             self.client.set_tag(run_id, "status_note", note[:5000])
-        self.client.set_terminated(run_id, "FINISHED" if status in DONE_STATUSES else "FAILED")
+        self.client.set_terminated(run_id, _MLFLOW_END.get(status, "FAILED"))
 
     def delete(self, run_id: str) -> None:
         """Move a run to MLflow's deleted lifecycle stage (restorable until ``mlflow gc``)."""

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -34,11 +33,12 @@ from optuna.trial import TrialState
 from experiments.stability import Diverged
 from sweep.grid import Cell, Grid, Row, run_key
 from sweep.progress import ProgressPrinter, SweepClock
+from sweep.resume import drop_step_checkpoints
 from sweep.runner import checkpoint_dir, quiet_lightning, train_cell
+from sweep.storage import make_storage, storage_url
 from sweep.tracking import STATUS_DIVERGED, STATUS_FAILED, STATUS_FINISHED, Tracker, tracking_uri
 
 COUNTED = (TrialState.COMPLETE, TrialState.PRUNED)  # trials that use up the budget
-HEARTBEAT_S = 30
 
 
 class StepPruningCallback(pl.Callback):
@@ -65,24 +65,6 @@ class StepPruningCallback(pl.Callback):
         self.reported.append(step)
         if step < trainer.max_steps and self.trial.should_prune():  # a finished run is kept
             raise optuna.TrialPruned(f"pruned at step {step}")
-
-
-def storage_url(results_dir: Path, url: str | None) -> str:
-    """``url`` if given, else SQLite at ``results/optuna.db`` (absolute)."""
-    return url or f"sqlite:///{(results_dir / 'optuna.db').resolve()}"
-
-
-def make_storage(url: str) -> optuna.storages.RDBStorage:
-    """RDB storage with a heartbeat: trials of a worker dead for 3 heartbeats fail and retry once."""
-    engine = {"connect_args": {"timeout": 300}} if url.startswith("sqlite") else None
-    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-    return optuna.storages.RDBStorage(
-        url,
-        engine_kwargs=engine,
-        heartbeat_interval=HEARTBEAT_S,
-        grace_period=3 * HEARTBEAT_S,
-        heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1),
-    )
 
 
 def study_name(grid: Grid, scale: str, row: Row, ladder: bool = False) -> str:
@@ -181,6 +163,7 @@ def tune_row(
         trial.set_user_attr("mlflow_run_id", child)
         prefix = f"[{name} #{trial.number}] lr {lr:.2e}"
         started = time.perf_counter()
+        checkpoints = checkpoint_dir(results_dir, tracker.experiment, child)
         try:
             final = train_cell(
                 cell,
@@ -189,11 +172,12 @@ def tune_row(
                 0,
                 ProgressPrinter(prefix, clock, out),
                 cache_root,
-                checkpoint_dir(results_dir, tracker.experiment, child),
+                checkpoints,
                 [StepPruningCallback(trial)],
             )
         except optuna.TrialPruned as err:
             _close(tracker, child, STATUS_FINISHED, "pruned", str(err))
+            drop_step_checkpoints(checkpoints)  # a pruned trial is never resumed
             out(f"{prefix} pruned: {err}")
             raise
         except Diverged as err:  # a result: the LR was too large; pruned, with the reason kept
@@ -208,6 +192,7 @@ def tune_row(
             clock.cell_done(time.perf_counter() - started)
         value = final["val/ppl/avg"]
         _close(tracker, child, STATUS_FINISHED, "complete", None)
+        drop_step_checkpoints(checkpoints)
         out(f"{prefix} done: Avg PPL {value:.2f}")
         return value
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +30,58 @@ rows:
   - {id: sdpa_elementwise, label: "SDPA elementwise (G1)", paper_row: 5, model: {gate: {position: sdpa}}}
   - {id: add_experts, label: "Add 4 experts", paper_row: 4, requires: [moe]}
 """
+
+#: MICRO with 40 steps, a checkpoint every 5 and a validation every 10: long enough to stop midway.
+LONG_STEPS = 40
+LONG_MICRO = MICRO.replace(
+    "max_steps: 8, batch_size: 4, seq_len: 32, warmup_steps: 2, val_every: 4,",
+    f"max_steps: {LONG_STEPS}, batch_size: 4, seq_len: 32, warmup_steps: 4, val_every: 10,",
+).replace("max_lr: 2e-3}", "max_lr: 2e-3, checkpoint_every: 5}")
+
+#: ``python -c SLOW_CLI <sweep.cli arguments>``: the CLI with every training step 0.1 s slower (the
+#: numbers are untouched), so a test can stop a process midway.
+SLOW_CLI = """
+import sys, time
+from experiments.lit import LMModule
+step_end = LMModule.on_train_batch_end
+def slow(self, *args):
+    time.sleep(0.1)
+    step_end(self, *args)
+LMModule.on_train_batch_end = slow
+from sweep.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def start_slow_cli(args: list[str]) -> subprocess.Popen:
+    """Run ``SLOW_CLI`` with ``args`` in a subprocess against the repository's corpus cache and
+    the default (per results folder) stores; output captured as text."""
+    env = {**os.environ, "GATED_ATTN_CACHE": str(ROOT / ".cache"), "PYTHONPATH": str(ROOT)}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return subprocess.Popen(
+        [sys.executable, "-c", SLOW_CLI, *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def wait_for_checkpoint(results: Path, min_step: int, procs: list[subprocess.Popen]) -> Path:
+    """Poll until some run under ``results`` has a checkpoint of at least ``min_step``; return
+    its folder. Fails if every process in ``procs`` ended first."""
+    from sweep.resume import latest_checkpoint
+
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        assert any(p.poll() is None for p in procs), "the processes ended before the checkpoint"
+        for folder in (results / "checkpoints").glob("*/*"):
+            found = latest_checkpoint(folder)
+            if found is not None and int(found.stem.removeprefix("step")) >= min_step:
+                return folder
+        time.sleep(0.02)
+    raise AssertionError(f"no checkpoint of step {min_step} within 300 s")
 
 
 @pytest.fixture(scope="session")

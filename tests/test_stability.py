@@ -75,7 +75,7 @@ def test_a_nan_loss_marks_the_cell_diverged_keeps_its_checkpoint_and_the_sweep_g
     assert main(args) == 0  # a diverged cell is a result, not a failure
     out = capsys.readouterr().out
     assert "sdpa_elementwise s0 DIVERGED: training loss nan at step 5 is not finite" in out
-    assert "trained 1, skipped 0, unsupported 1, diverged 1, failed 0" in out
+    assert "finished 1, resumed 0, skipped 0, unsupported 1, diverged 1, failed 0" in out
 
     client = MlflowClient(tracking_uri=f"sqlite:///{results / 'mlflow.db'}")
     exp = client.get_experiment_by_name("micro-tiny")

@@ -79,7 +79,7 @@ def test_second_sweep_trains_nothing_and_writes_the_same_table(
     assert main(["sweep", "--grid", str(micro["grid"]), "--results", str(micro["results"])]) == 0
     out = capsys.readouterr().out
     assert "0 to train, 2 finished earlier, 1 unsupported" in out
-    assert "trained 0, skipped 2, unsupported 1, diverged 0, failed 0" in out
+    assert "finished 0, resumed 0, skipped 2, unsupported 1, diverged 0, failed 0" in out
     _, runs = _runs(micro["results"])
     assert len(runs) == 2
     assert (micro["results"] / "micro.csv").read_text() == before
@@ -125,7 +125,7 @@ def test_table_statistics_over_seeds(tmp_path: Path) -> None:
 def test_force_retrains_and_supersedes_only_after_success(micro: dict, capsys: pytest.CaptureFixture) -> None:
     args = ["sweep", "--grid", str(micro["grid"]), "--results", str(micro["results"])]
     assert main([*args, "--rows", "baseline", "--force"]) == 0
-    assert "trained 1, skipped 0" in capsys.readouterr().out
+    assert "finished 1, resumed 0, skipped 0" in capsys.readouterr().out
     _, runs = _runs(micro["results"])
     baseline = sorted((r for r in runs if r.data.tags["row"] == "baseline"), key=lambda r: r.info.start_time)
     assert [r.data.tags["status"] for r in baseline] == ["superseded", "finished"]

@@ -16,12 +16,14 @@ from conftest import ROOT
 from mlflow import MlflowClient
 from optuna.trial import TrialState
 
+import sweep.storage
 from experiments.lit import LMModule
 from sweep import tune
 from sweep.cli import main
 from sweep.grid import load_grid
+from sweep.storage import make_storage, storage_url
 from sweep.tracking import Tracker, tracking_uri
-from sweep.tune import StepPruningCallback, make_storage, storage_url, study_name, tune_row
+from sweep.tune import StepPruningCallback, study_name, tune_row
 
 TUNE = """\
 name: micro
@@ -130,7 +132,7 @@ def test_two_workers_on_one_storage_share_the_budget(setup: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")  # ask() simulates the dead worker
 def test_a_dead_workers_trial_is_failed_and_retried(setup: dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tune, "HEARTBEAT_S", 1)  # grace period 3 s instead of 90 s
+    monkeypatch.setattr(sweep.storage, "HEARTBEAT_S", 1)  # grace period 3 s instead of 90 s
     setup["results"].mkdir()
     storage = make_storage(storage_url(setup["results"], None))
     study = optuna.create_study(

@@ -1,0 +1,62 @@
+"""Bad input outside the grid file: a corpus that cannot be built, a tracking store that does not
+answer. Each is one line on stderr, exit status 2, and no run in any store. (Grid-file cases:
+tests/test_grid.py.)"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from experiments import corpus as C
+from sweep.cli import main
+from tests.conftest import MICRO, ROOT
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cli(tmp_path: Path, grid_text: str, capsys: pytest.CaptureFixture) -> tuple[int, str, Path]:
+    grid = tmp_path / "micro.yaml"
+    grid.write_text(grid_text)
+    results = tmp_path / "results"
+    code = main(["sweep", "--grid", str(grid), "--results", str(results)])
+    return code, capsys.readouterr().err.strip(), results
+
+
+def test_a_corpus_source_that_cannot_be_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    def unreadable(archive: Path | None):
+        raise OSError("archive truncated")
+
+    broken = C.Source(domain="literature", version="x", license="x", extract=unreadable)
+    monkeypatch.setitem(C.SOURCES, "shakespeare", broken)  # a local source: no download needed
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("GATED_ATTN_CACHE", str(cache))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    code, err, results = run_cli(tmp_path, MICRO, capsys)
+    assert code == 2
+    grid = tmp_path / "micro.yaml"
+    assert err == f"error: {grid}: data.sources: source 'shakespeare': OSError: archive truncated"
+    assert list(results.iterdir()) == []  # no store: it is created only once the corpus exists
+    assert not list(cache.glob("corpus-*"))
+
+
+@pytest.mark.parametrize("where", ["server", "sqlite"])
+def test_an_unreachable_tracking_store(
+    where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    uri = f"http://127.0.0.1:{free_port()}" if where == "server" else f"sqlite:///{tmp_path}/gone/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("GATED_ATTN_CACHE", str(ROOT / ".cache"))
+    code, err, results = run_cli(tmp_path, MICRO, capsys)
+    assert code == 2
+    reason = "is not reachable: ConnectionError" if where == "server" else "folder"
+    assert err.startswith(f"error: tracking store {uri} ") and reason in err
+    assert len(err.splitlines()) == 1
+    assert not (tmp_path / "gone").exists() and list(results.iterdir()) == []

@@ -1,0 +1,201 @@
+"""Many workers on one grid through the Optuna queue: each cell trained once, a dead worker's
+cell taken over and resumed."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections import Counter
+from pathlib import Path
+
+import optuna
+import pytest
+from mlflow import MlflowClient
+from mlflow.entities import ViewType
+
+from sweep.cli import main
+from sweep.grid import load_grid
+from sweep.interrupt import StopRequest
+from sweep.queue import enqueue_cells, open_queue, pop_cell, record, run_worker
+from sweep.runner import prepare_sweep
+from sweep.storage import storage_url
+from tests.conftest import LONG_MICRO, LONG_STEPS, MICRO, ROOT, start_slow_cli, wait_for_checkpoint
+
+
+def all_cell_runs(results: Path) -> list:
+    client = MlflowClient(tracking_uri=f"sqlite:///{results / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("micro-tiny")
+    return client.search_runs([exp.experiment_id], "tags.kind = 'cell'", run_view_type=ViewType.ALL)
+
+
+def queue_trials(results: Path) -> list[optuna.trial.FrozenTrial]:
+    study = optuna.load_study(study_name="micro-tiny-cells", storage=storage_url(results, None))
+    return study.get_trials()
+
+
+@pytest.fixture
+def env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GATED_ATTN_CACHE", str(ROOT / ".cache"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+
+def test_three_workers_train_every_cell_exactly_once(
+    env: None, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    grid = tmp_path / "micro.yaml"
+    grid.write_text(MICRO)
+    results = tmp_path / "results"
+    args = ["sweep", "--grid", str(grid), "--results", str(results), "--seeds", "3", "--workers", "3"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "6 queued for 3 workers" in out
+    assert "finished 6, resumed 0, skipped 0, unsupported 3, diverged 0, failed 0" in out
+
+    runs = all_cell_runs(results)
+    cells = load_grid(grid).cells("tiny", seeds=[0, 1, 2])
+    keys = {c.run_key for c in cells if not c.unsupported}
+    assert Counter(r.data.tags["run_key"] for r in runs) == Counter(keys)  # one run per cell, no more
+    assert all(r.data.tags["status"] == "finished" and "resumed" not in r.data.tags for r in runs)
+    trials = queue_trials(results)
+    assert sorted(t.user_attrs["run_key"] for t in trials) == sorted(keys)
+    assert {t.user_attrs["outcome"] for t in trials} == {"finished"}
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    for t in trials:  # the trial's value is its run's Avg PPL
+        (run,) = [r for r in runs if r.data.tags["run_key"] == t.user_attrs["run_key"]]
+        assert t.value == pytest.approx(run.data.metrics["val/ppl/avg"])
+
+    assert main(args) == 0  # nothing left: no worker starts, no trial is added
+    assert "finished 0, resumed 0, skipped 6, unsupported 3" in capsys.readouterr().out
+    assert len(queue_trials(results)) == 6 and len(all_cell_runs(results)) == 6
+
+
+def test_a_dead_workers_cell_is_taken_over_and_resumed(env: None, tmp_path: Path) -> None:
+    grid_path = tmp_path / "micro.yaml"
+    grid_path.write_text(LONG_MICRO)
+    results = tmp_path / "results"
+    results.mkdir()
+    grid = load_grid(grid_path)
+    cells = grid.cells("tiny")
+    ctx = prepare_sweep(grid, cells, results, ROOT / ".cache", out=lambda _line: None)
+    url = storage_url(results, None)
+    enqueue_cells(open_queue(grid, "tiny", url, heartbeat_s=1), cells, ctx, force=False)
+
+    worker = [
+        "worker",
+        "--grid",
+        str(grid_path),
+        "--results",
+        str(results),
+        "--storage",
+        url,
+        "--heartbeat",
+        "1",
+    ]
+    procs = [start_slow_cli(worker) for _ in range(2)]
+    folder = wait_for_checkpoint(results, 15, procs)
+    (victim_run,) = [r for r in all_cell_runs(results) if r.info.run_id == folder.name]
+    pid = int(victim_run.data.tags["worker"].rsplit(":", 1)[1])
+    (victim,) = [p for p in procs if p.pid == pid]
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=60)
+    (survivor,) = [p for p in procs if p is not victim]
+    out, _ = survivor.communicate(timeout=300)
+    victim.stdout.close()
+    assert survivor.returncode == 0, out
+    assert f"resuming run {folder.name} (running) from step" in out  # taken over after 3 heartbeats
+
+    runs = all_cell_runs(results)
+    assert len(runs) == 2 and {r.data.tags["status"] for r in runs} == {"finished"}
+    (resumed,) = [r for r in runs if r.info.run_id == folder.name]
+    assert resumed.data.tags["resumed"] == "1" and resumed.data.tags["worker"].endswith(f":{survivor.pid}")
+    client = MlflowClient(tracking_uri=f"sqlite:///{results / 'mlflow.db'}")
+    steps = [m.step for m in client.get_metric_history(resumed.info.run_id, "train/loss")]
+    assert sorted(steps) == list(range(LONG_STEPS))  # every step once across the two workers
+
+    trials = {t.number: t for t in queue_trials(results)}
+    (dead,) = [t for t in trials.values() if t.state == optuna.trial.TrialState.FAIL]
+    (retry,) = [t for t in trials.values() if t.system_attrs.get("failed_trial") == dead.number]
+    assert retry.user_attrs["run_key"] == dead.user_attrs["run_key"] == resumed.data.tags["run_key"]
+    assert retry.user_attrs["outcome"] == "resumed" and retry.user_attrs["worker"].endswith(
+        f":{survivor.pid}"
+    )
+    assert os.path.isfile(folder / "final.ckpt")
+
+
+def test_a_cell_enqueued_twice_is_trained_once(env: None, tmp_path: Path) -> None:
+    """Two drivers enqueued one cell at the same moment, and the worker holding the older trial
+    died: the younger trial defers to the older one, which is taken over and trained once."""
+    grid_path = tmp_path / "micro.yaml"
+    grid_path.write_text(MICRO)
+    results = tmp_path / "results"
+    results.mkdir()
+    grid = load_grid(grid_path)
+    cells = [c for c in grid.cells("tiny") if c.row.id == "baseline"]
+    ctx = prepare_sweep(grid, cells, results, ROOT / ".cache", out=lambda _line: None)
+    url = storage_url(results, None)
+    queue = open_queue(grid, "tiny", url, heartbeat_s=1)
+    enqueue_cells(queue, cells, ctx, force=False)
+    attrs = {"run_key": cells[0].run_key, "row": "baseline", "seed": 0, "force": False}
+    queue.study.enqueue_trial({}, user_attrs=attrs)  # the other driver, which saw no trial yet
+    held = pop_cell(queue, {cells[0].run_key})
+    queue.storage.record_heartbeat(queue.trial_id(held))  # a worker took trial 0, then died
+
+    quiet = lambda _line: None  # noqa: E731
+    outcomes = run_worker(grid, cells, results, url, 1, ROOT / ".cache", StopRequest(), out=quiet)
+    assert [o.status for o in outcomes] == ["finished"]
+    dead, younger, retry = queue_trials(results)
+    assert dead.number == held.number == 0 and dead.state == optuna.trial.TrialState.FAIL
+    assert younger.user_attrs["outcome"] == "duplicate"
+    assert younger.user_attrs["note"] == "trial 0 has this cell"
+    assert retry.system_attrs["failed_trial"] == 0 and retry.user_attrs["outcome"] == "finished"
+    assert len(all_cell_runs(results)) == 1
+
+
+def test_a_killed_cell_goes_back_into_the_queue_and_a_lapsed_trial_is_not_overwritten(
+    env: None, tmp_path: Path
+) -> None:
+    grid_path = tmp_path / "micro.yaml"
+    grid_path.write_text(MICRO)
+    results = tmp_path / "results"
+    results.mkdir()
+    grid = load_grid(grid_path)
+    cells = [c for c in grid.cells("tiny") if c.row.id == "baseline"]
+    ctx = prepare_sweep(grid, cells, results, ROOT / ".cache", out=lambda _line: None)
+    queue = open_queue(grid, "tiny", storage_url(results, None), heartbeat_s=1)
+    assert enqueue_cells(queue, cells, ctx, force=False) == {cells[0].run_key: 0}
+    assert enqueue_cells(queue, cells, ctx, force=False) == {cells[0].run_key: 0}  # in flight: once
+
+    taken = pop_cell(queue, {cells[0].run_key})
+    assert pop_cell(queue, {cells[0].run_key}) is None  # one trial, one worker
+    assert record(queue, taken, "killed", "SIGTERM at step 12")
+    killed, back = queue_trials(results)
+    assert killed.state == optuna.trial.TrialState.FAIL and killed.user_attrs["outcome"] == "killed"
+    assert back.state == optuna.trial.TrialState.WAITING
+    assert back.user_attrs == {"run_key": cells[0].run_key, "row": "baseline", "seed": 0, "force": False}
+
+    again = pop_cell(queue, {cells[0].run_key})
+    queue.storage.set_trial_state_values(queue.trial_id(again), state=optuna.trial.TrialState.FAIL)
+    assert not record(queue, again, "finished", avg_ppl=1.0)  # failed by a stale check meanwhile
+
+
+def test_a_running_run_of_a_live_process_on_this_host_is_left_alone() -> None:
+    import socket
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from sweep.runner import live_owner
+
+    def run(status: str, pid: int) -> SimpleNamespace:
+        tags = {"status": status, "worker": f"{socket.gethostname()}:{pid}"}
+        return SimpleNamespace(data=SimpleNamespace(tags=tags))
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert live_owner(run("running", proc.pid)) == f"{socket.gethostname()}:{proc.pid}"
+        assert live_owner(run("killed", proc.pid)) is None  # not running: resumable
+        assert live_owner(run("running", os.getpid())) is None  # this process
+    finally:
+        proc.kill()
+        proc.wait()
+    assert live_owner(run("running", proc.pid)) is None  # dead: resumable
