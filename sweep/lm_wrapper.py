@@ -101,6 +101,7 @@ class GatedAttnLM(TemplateLM):
         rows, spans = [], []
         for context, continuation in pairs:
             whole = (context + continuation)[-(self.max_length + 1) :]
+            continuation = continuation[-(len(whole) - 1) :]  # longer than the window: its end
             rows.append(whole[:-1])
             spans.append((len(whole) - 1 - len(continuation), continuation))
         results = []
