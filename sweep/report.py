@@ -18,6 +18,7 @@ from scipy import stats
 
 from experiments.config import GateConfig, to_dict
 from experiments.model import parameter_count
+from sweep.bench_eval import bench_key
 from sweep.bench_suite import MAIN_METRIC
 from sweep.grid import Cell, Grid, Row, paper_csv, run_key
 from sweep.tracking import (
@@ -223,14 +224,10 @@ def build_table(grid: Grid, scale: str, runs: pd.DataFrame) -> pd.DataFrame:
             line[column], line[f"{column}_std"] = _stat(mine, metric) if mine is not None else nan2
         for task, metric in bench_columns(grid):
             key = f"bench_{task}"
-            line[key], line[f"{key}_std"] = (
-                _stat(mine, f"bench/{task}/{metric}") if mine is not None else nan2
-            )
-            line[f"{key}_n"] = (
-                0
-                if mine is None or f"bench/{task}/{metric}" not in mine
-                else int(mine[f"bench/{task}/{metric}"].notna().sum())
-            )
+            metric_key = bench_key(task, metric)
+            line[key], line[f"{key}_std"] = _stat(mine, metric_key) if mine is not None else nan2
+            scored = mine is not None and metric_key in mine
+            line[f"{key}_n"] = int(mine[metric_key].notna().sum()) if scored else 0
         line["paper_added_params_m"] = _paper_value(paper, row, "added_params_m")
         line["paper_avg_ppl"] = _paper_value(paper, row, "avg_ppl")
         line["paper_delta"] = line["paper_avg_ppl"] - paper_base
