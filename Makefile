@@ -27,7 +27,7 @@ PY   := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS := --grid $(GRID) --scale $(SCALE) $(if $(SEEDS),--seeds $(SEEDS)) $(if $(ROWS),--rows $(ROWS)) $(if $(FORCE),--force)
 
-.PHONY: setup sweep tables params tune dashboard bench ui test lint clean
+.PHONY: setup sweep eval tables params tune dashboard bench ui test lint clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -39,6 +39,9 @@ $(STAMP): pyproject.toml
 
 sweep: $(STAMP)
 	$(PY) -m sweep.cli sweep $(ARGS) --workers $(WORKERS) $(if $(STORAGE),--storage '$(STORAGE)')
+
+eval: $(STAMP)
+	$(PY) -m sweep.cli eval $(ARGS)
 
 tables: $(STAMP)
 	$(PY) -m sweep.cli tables $(ARGS)

@@ -33,6 +33,7 @@ def _parser() -> argparse.ArgumentParser:
         ("params", "print total and added parameters per row (meta device, no training)"),
         ("tune", "Optuna search of each row's max learning rate, then results/lr_search.*"),
         ("worker", "train cells from the sweep's queue until it is empty (started by sweep --workers)"),
+        ("eval", "benchmark finished runs that lack scores (the grid's eval.tasks), then the tables"),
     ):
         s = sub.add_parser(name, help=text)
         s.add_argument("--grid", default="grids/table1.yaml", help="grid YAML file")
@@ -101,11 +102,16 @@ def main(argv: list[str] | None = None) -> int:
             paths = write_tables(grid, args.scale, results, _command_line(), seeds)
             print(f"wrote {', '.join(map(str, paths.values()))}")
             return 0
+        cache = Path(os.environ["GATED_ATTN_CACHE"]) if os.environ.get("GATED_ATTN_CACHE") else None
+        if args.command == "eval":
+            failed = _evaluate(grid, args.scale, cells, results, cache)
+            paths = write_tables(grid, args.scale, results, _command_line())  # every seed found
+            print(f"table: {paths['md']} (also .csv, .tex)")
+            return 1 if failed else 0
         from sweep.interrupt import StopRequest
         from sweep.runner import FAILED, KILLED, run_sweep, summary_line
 
         started = time.perf_counter()
-        cache = Path(os.environ["GATED_ATTN_CACHE"]) if os.environ.get("GATED_ATTN_CACHE") else None
         if args.command == "worker":
             return _worker(args, grid, cells, results, cache)
         with StopRequest() as stop:
@@ -131,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sweep interrupted after {minutes:.1f} min: {summary_line(outcomes)}")
             print("state saved; run the same command again to resume")
             return stop.exit_code
+        bench_failed = _evaluate(grid, args.scale, cells, results, cache)
+        minutes = (time.perf_counter() - started) / 60
         paths = write_tables(grid, args.scale, results, _command_line(), seeds)
         print(f"sweep finished in {minutes:.1f} min: {summary_line(outcomes)}")
         for o in outcomes:
@@ -140,13 +148,27 @@ def main(argv: list[str] | None = None) -> int:
         figures = [str(p) for k, p in paths.items() if k not in ("md", "csv", "tex")]
         if figures:
             print(f"figures: {', '.join(figures)}")
-        return 1 if any(o.status in (FAILED, KILLED) for o in outcomes) else 0
+        return 1 if bench_failed or any(o.status in (FAILED, KILLED) for o in outcomes) else 0
     except CorpusError as err:
         print(f"error: {args.grid}: data.sources: {err}", file=sys.stderr)
         return 2
     except (GridError, TrackingError, UsageError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+
+
+def _evaluate(grid, scale: str, cells, results: Path, cache: Path | None) -> int:
+    """Benchmark the finished runs that lack scores; return how many evaluations failed."""
+    if not grid.eval.tasks:
+        return 0
+    from sweep.bench_eval import evaluate_missing
+    from sweep.tracking import Tracker, experiment_name, tracking_uri
+
+    tracker = Tracker(tracking_uri(results), experiment_name(grid.name, scale), results / "mlartifacts")
+    done, failed = evaluate_missing(tracker, cells, grid.eval, cache)
+    if done or failed:
+        print(f"benchmarks ({', '.join(grid.eval.tasks)}): {done} runs scored, {failed} failed")
+    return failed
 
 
 def _worker_args(args: argparse.Namespace, url: str) -> list[str]:

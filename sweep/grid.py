@@ -18,7 +18,7 @@ import copy
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,9 @@ from experiments.corpus import recipe_hash
 
 GRID_KEYS = {
     "name", "title", "paper_table", "baseline_row", "seeds", "base", "scales", "rows", "inherit", "columns",
+    "eval",
 }  # fmt: skip
+EVAL_KEYS = {"tasks", "num_fewshot", "limit", "batch_size", "max_gen_toks"}
 #: Probe columns a table may show (``columns:`` in a grid); the CSV always has all of them.
 TABLE_COLUMNS = ("gate_score", "m_act", "f_attn", "loss_spikes")
 ROW_KEYS = {"id", "label", "paper_row", "requires", "model", "train", "data"}
@@ -159,6 +161,8 @@ class Grid:
     paper_table: str | None = None
     columns: tuple[str, ...] = ("gate_score",)
     """Probe columns the Markdown / LaTeX table shows beside PPL (see :data:`TABLE_COLUMNS`)."""
+    eval: EvalConfig = field(default_factory=lambda: EvalConfig())
+    """Benchmarks run on every finished run (``eval:`` in the grid; ``sweep.bench_eval``)."""
 
     def row_ids(self) -> list[str]:
         return [r.id for r in self.rows]
@@ -365,6 +369,7 @@ def load_grid(file: str | Path) -> Grid:
         baseline_row=baseline,
         paper_table=paper,
         columns=_parse_columns(file, raw.get("columns", ["gate_score"])),
+        eval=_parse_eval(file, raw.get("eval") or {}),
     )
     for scale in grid.scales:
         grid.cells(scale)
@@ -388,6 +393,58 @@ def _inherit(file: Path, raw: dict) -> dict:
         theirs = _require_mapping(parent_file, parent.get(key) or {}, key)
         merged[key] = _deep_merge(theirs, mine, key, None, file)
     return merged
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """The grid's ``eval:`` section: lm-eval tasks run on each finished run's ``final.ckpt``.
+
+    ``tasks``: names of the offline suite (``sweep.bench_suite``: ``offline_mmlu_dev``,
+    ``offline_humaneval``; ``offline_wikihow`` and ``offline_mathqa`` download BIG-bench) or any
+    lm-eval task name (those need the hub). ``num_fewshot``: per task (default 0). ``limit``:
+    documents per task (None: all). ``batch_size`` and ``max_gen_toks`` go to the model wrapper.
+    """
+
+    tasks: tuple[str, ...] = ()
+    num_fewshot: tuple[tuple[str, int], ...] = ()
+    limit: int | None = None
+    batch_size: int = 32
+    max_gen_toks: int = 64
+
+    def fewshot(self, task: str) -> int:
+        return dict(self.num_fewshot).get(task, 0)
+
+
+def _parse_eval(file: Path, value: Any) -> EvalConfig:
+    if not isinstance(value, dict):
+        raise GridError(file, f"must be a mapping; got {value!r}", path="eval")
+    for key in value:
+        if key not in EVAL_KEYS:
+            raise GridError(file, f"unknown key; allowed: {', '.join(sorted(EVAL_KEYS))}", path=f"eval.{key}")
+    tasks = value.get("tasks", [])
+    if (
+        not isinstance(tasks, list)
+        or not all(isinstance(t, str) and t for t in tasks)
+        or len(set(tasks)) < len(tasks)
+    ):
+        raise GridError(file, f"must be a list of distinct task names; got {tasks!r}", path="eval.tasks")
+    shots = value.get("num_fewshot", {})
+    if not isinstance(shots, dict) or any(t not in tasks or not _count(n, 0) for t, n in shots.items()):
+        raise GridError(file, f"must map listed tasks to counts >= 0; got {shots!r}", path="eval.num_fewshot")
+    for key, low in (("limit", 1), ("batch_size", 1), ("max_gen_toks", 1)):
+        if key in value and not (key == "limit" and value[key] is None) and not _count(value[key], low):
+            raise GridError(file, f"must be an integer >= {low}; got {value[key]!r}", path=f"eval.{key}")
+    return EvalConfig(
+        tasks=tuple(tasks),
+        num_fewshot=tuple(sorted(shots.items())),
+        limit=value.get("limit"),
+        batch_size=value.get("batch_size", 32),
+        max_gen_toks=value.get("max_gen_toks", 64),
+    )
+
+
+def _count(value: Any, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
 def _parse_columns(file: Path, value: Any) -> tuple[str, ...]:

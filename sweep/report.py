@@ -18,6 +18,8 @@ from scipy import stats
 
 from experiments.config import GateConfig, to_dict
 from experiments.model import parameter_count
+from sweep.bench_eval import bench_key
+from sweep.bench_suite import MAIN_METRIC
 from sweep.grid import Cell, Grid, Row, paper_csv, run_key
 from sweep.tracking import (
     DONE_STATUSES,
@@ -37,6 +39,13 @@ PROBE_COLUMNS = {
     "loss_spikes": ("stability/loss_spikes", "Loss spikes", 1),
 }
 PAPER_PROBE_COLUMNS = ("gate_score", "m_act", "f_attn")  # what the paper's Table 4 reports
+
+
+BENCH_NOTE = (
+    "Benchmarks: lm-evaluation-harness on each run's final weights (`make eval`), offline tasks of "
+    "`sweep/bench_suite.py`, 0-shot unless the grid says otherwise; mean ± std over the seeds "
+    "scored; chance is uniform guessing. "
+)
 
 
 def paper_table(name: str | None) -> pd.DataFrame | None:
@@ -213,6 +222,12 @@ def build_table(grid: Grid, scale: str, runs: pd.DataFrame) -> pd.DataFrame:
         line["delta_avg_ppl"], line["delta_ci95_low"], line["delta_ci95_high"] = d, lo, hi
         for column, (metric, _, _) in PROBE_COLUMNS.items():
             line[column], line[f"{column}_std"] = _stat(mine, metric) if mine is not None else nan2
+        for task, metric in bench_columns(grid):
+            key = f"bench_{task}"
+            metric_key = bench_key(task, metric)
+            line[key], line[f"{key}_std"] = _stat(mine, metric_key) if mine is not None else nan2
+            scored = mine is not None and metric_key in mine
+            line[f"{key}_n"] = int(mine[metric_key].notna().sum()) if scored else 0
         line["paper_added_params_m"] = _paper_value(paper, row, "added_params_m")
         line["paper_avg_ppl"] = _paper_value(paper, row, "avg_ppl")
         line["paper_delta"] = line["paper_avg_ppl"] - paper_base
@@ -221,6 +236,23 @@ def build_table(grid: Grid, scale: str, runs: pd.DataFrame) -> pd.DataFrame:
         line["status"] = cell.unsupported or _status(mine is not None, line["n_diverged"])
         lines.append(line)
     return pd.DataFrame(lines)
+
+
+def bench_columns(grid: Grid) -> list[tuple[str, str]]:
+    """(task, metric) of each benchmark column: the grid's ``eval.tasks`` and the metric shown."""
+    return [(t, MAIN_METRIC.get(t, "acc")) for t in grid.eval.tasks]
+
+
+def _bench_heading(task: str, metric: str, cache_root: Path | None = None) -> str:
+    """``mmlu_dev acc (chance 0.250)``; pass@1 has no chance level."""
+    from sweep.bench_suite import chance, task_dir
+
+    try:
+        level = chance(task_dir(cache_root), task)
+    except Exception:  # the suite cannot be built here: the heading goes without it
+        level = None
+    name = task.removeprefix("offline_")
+    return f"{name} {metric}" + (f" (chance {level:.3f})" if level is not None else "")
 
 
 def _stat(runs: pd.DataFrame | None, metric: str) -> tuple[float, float]:
@@ -256,10 +288,16 @@ def _fmt_delta(d: float, lo: float, hi: float) -> str:
     return f"{d:+.3f}" + (f" [{lo:+.3f}, {hi:+.3f}]" if not math.isnan(lo) else "")
 
 
-def display_table(table: pd.DataFrame, baseline_id: str, columns: tuple[str, ...] = ()) -> pd.DataFrame:
+def display_table(
+    table: pd.DataFrame,
+    baseline_id: str,
+    columns: tuple[str, ...] = (),
+    bench: list[tuple[str, str]] | None = None,
+) -> pd.DataFrame:
     """Human-readable strings for Markdown and LaTeX: missing cells are "—", never 0; the
     baseline's Δ columns read "reference"; ``columns`` names the probe columns to show
-    (keys of :data:`PROBE_COLUMNS`)."""
+    (keys of :data:`PROBE_COLUMNS`); ``bench`` the benchmark columns (:func:`bench_columns`),
+    headed with their chance level."""
     domains = [
         c.removeprefix("ppl_") for c in table.columns if c.startswith("ppl_") and not c.endswith("_std")
     ]
@@ -278,6 +316,9 @@ def display_table(table: pd.DataFrame, baseline_id: str, columns: tuple[str, ...
     for column in columns:
         _, heading, digits = PROBE_COLUMNS[column]
         out[heading] = [_fmt(v, s, digits) for v, s in zip(table[column], table[f"{column}_std"])]
+    for task, metric in bench or []:
+        key = f"bench_{task}"
+        out[_bench_heading(task, metric)] = [_fmt(v, s, 3) for v, s in zip(table[key], table[f"{key}_std"])]
     if table["paper_added_params_m"].notna().any():  # Tables 3 and 4 list no parameters
         out["Paper Added (M)"] = [_fmt_params(v) for v in table["paper_added_params_m"]]
     out["Paper Avg PPL"] = [_fmt(v) for v in table["paper_avg_ppl"]]
@@ -310,7 +351,7 @@ def write_tables(
     """
     runs = finished_runs(grid, scale, results_dir, seeds)
     table = build_table(grid, scale, runs)
-    shown = display_table(table, grid.baseline_row, grid.columns)
+    shown = display_table(table, grid.baseline_row, grid.columns, bench_columns(grid))
     paths = table_paths(grid, scale, results_dir)
     header = (
         f"# {grid.title}\n\n"
@@ -322,6 +363,7 @@ def write_tables(
         "Δ: Avg PPL minus the baseline's, paired by seed (negative is better); from three seeds on, "
         "a 95% t-interval follows in brackets. Mean ± sample std over seeds. "
         + "".join(COLUMN_NOTES[c] for c in grid.columns)
+        + (BENCH_NOTE if grid.eval.tasks else "")
         + 'A row whose every run diverged reads "diverged". '
         + (
             f"Paper columns: the paper's own numbers (`sweep/paper/{grid.paper_table}.csv`), "

@@ -1,0 +1,157 @@
+"""Benchmark scores for finished runs: lm-eval on ``final.ckpt``, logged as ``bench/<task>/<metric>``.
+
+``make sweep`` evaluates, after training, every finished cell that lacks a score for one of the
+grid's ``eval.tasks``; ``make eval`` does only that, without training. Each metric is logged with
+the standard error lm-eval reports (``bench/<task>/<metric>_stderr``) at the run's last step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from experiments.config import RunConfig
+from experiments.corpus import TOKENIZER_FILE, build_corpus
+from sweep.bench_suite import BIGBENCH_TASKS, MAIN_METRIC, OFFLINE_TASKS, task_dir
+from sweep.grid import Cell, EvalConfig
+from sweep.tracking import STATUS_FINISHED, Tracker
+
+
+def bench_key(task: str, metric: str) -> str:
+    """``bench/offline_mmlu_dev/acc``: the MLflow key of a task's metric (MLflow allows no ``@``:
+    ``pass@1`` becomes ``pass_at_1``)."""
+    return f"bench/{task}/{metric.replace('@', '_at_')}"
+
+
+def evaluate_checkpoint(
+    cfg: RunConfig, checkpoint: Path, spec: EvalConfig, cache_root: Path | None = None
+) -> dict[str, float]:
+    """Run ``spec.tasks`` on the model in ``checkpoint`` (``final.ckpt``) with lm-eval.
+
+    Offline tasks come from ``sweep.bench_suite``; with only those, the Hugging Face libraries
+    are put in offline mode. Returns ``{bench/<task>/<metric>: value}`` and their
+    ``..._stderr`` (NaN where lm-eval gives none).
+    """
+    offline = all(t in OFFLINE_TASKS + BIGBENCH_TASKS for t in spec.tasks)
+    if offline:  # read when datasets is imported: set before lm-eval loads it
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    import torch
+    from lm_eval import simple_evaluate
+
+    from sweep.lm_wrapper import GatedAttnLM
+
+    suite = task_dir(cache_root, bigbench=any(t in BIGBENCH_TASKS for t in spec.tasks))
+    corpus = build_corpus(cfg.data, cache_root, log=lambda _msg: None)
+    lm = GatedAttnLM.from_checkpoint(
+        checkpoint,
+        cfg.model,
+        corpus.root / TOKENIZER_FILE,
+        batch_size=spec.batch_size,
+        max_gen_toks=spec.max_gen_toks,
+        device="cuda" if torch.cuda.is_available() else "cpu",
+    )
+    manager = _task_manager(str(suite))
+    metrics: dict[str, float] = {}
+    for task in spec.tasks:
+        out = simple_evaluate(
+            model=lm,
+            tasks=[task],
+            num_fewshot=spec.fewshot(task),
+            limit=spec.limit,
+            task_manager=manager,
+            log_samples=False,
+            bootstrap_iters=1000,
+            random_seed=0,
+            numpy_random_seed=0,
+            torch_random_seed=0,
+            fewshot_random_seed=0,
+            confirm_run_unsafe_code=True,  # HumanEval runs model code, in a subprocess
+        )
+        metrics.update(parse_results(task, out["results"][task]))
+    return metrics
+
+
+@functools.lru_cache(maxsize=2)
+def _task_manager(include_path: str) -> Any:
+    """One lm-eval TaskManager per suite folder and process: building one indexes every task
+    lm-eval ships, which takes seconds."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include_path)
+
+
+def parse_results(task: str, results: dict[str, Any]) -> dict[str, float]:
+    """lm-eval's ``{"acc,none": 0.3, "acc_stderr,none": 0.02, "alias": ...}`` ->
+    ``{"bench/<task>/acc": 0.3, "bench/<task>/acc_stderr": 0.02}`` (non-numbers dropped)."""
+    out: dict[str, float] = {}
+    for key, value in results.items():
+        name, _, _filter = key.partition(",")
+        if not _filter or not isinstance(value, (int, float)):
+            continue
+        out[bench_key(task, name)] = float(value)
+    return out
+
+
+def _main(spec: EvalConfig) -> list[tuple[str, str]]:
+    """(task, the metric the tables show) for each task; lm-eval's own tasks: ``acc``."""
+    return [(t, MAIN_METRIC.get(t, "acc")) for t in spec.tasks]
+
+
+def missing_scores(tracker: Tracker, cells: list[Cell], spec: EvalConfig) -> list[tuple[Cell, Any]]:
+    """Finished runs of ``cells`` that lack the main metric of one of ``spec.tasks``."""
+    todo = []
+    for cell in cells:
+        if cell.unsupported:
+            continue
+        run = tracker.done_run(cell.run_key)
+        if run is None or run.data.tags.get("status") != STATUS_FINISHED:
+            continue
+        wanted = [bench_key(t, m) for t, m in _main(spec)]
+        if any(k not in run.data.metrics for k in wanted):
+            todo.append((cell, run))
+    return todo
+
+
+def evaluate_missing(
+    tracker: Tracker,
+    cells: list[Cell],
+    spec: EvalConfig,
+    cache_root: Path | None = None,
+    out: Callable[[str], None] = print,
+) -> tuple[int, int]:
+    """Evaluate every finished run of ``cells`` that lacks scores; log them to its run.
+
+    A run whose evaluation fails gets the tag ``bench_error`` and the rest go on.
+
+    Returns:
+        (evaluated, failed) counts.
+    """
+    if not spec.tasks:
+        return 0, 0
+    todo = missing_scores(tracker, cells, spec)
+    failed = 0
+    for i, (cell, run) in enumerate(todo, start=1):
+        prefix = f"[eval {i}/{len(todo)}] {cell.row.id} s{cell.seed}"
+        checkpoint = Path(run.data.tags.get("checkpoint", ""))
+        try:
+            if checkpoint.name != "final.ckpt" or not checkpoint.is_file():
+                raise FileNotFoundError(f"no final checkpoint at {checkpoint}")
+            with contextlib.redirect_stderr(io.StringIO()):  # lm-eval's progress bars, per task
+                scores = evaluate_checkpoint(cell.config, checkpoint, spec, cache_root)
+        except Exception as err:  # one run's evaluation must not stop the others
+            failed += 1
+            tracker.client.set_tag(run.info.run_id, "bench_error", f"{type(err).__name__}: {err}"[:5000])
+            out(f"{prefix} FAILED: {type(err).__name__}: {err}")
+            continue
+        tracker.log_metrics(run.info.run_id, scores, step=cell.config.train.max_steps)
+        shown = ", ".join(f"{t} {m} {scores.get(bench_key(t, m), float('nan')):.3f}" for t, m in _main(spec))
+        out(f"{prefix}: {shown}")
+    return len(todo) - failed, failed

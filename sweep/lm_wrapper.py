@@ -1,0 +1,182 @@
+"""Our checkpoints as an lm-evaluation-harness model (registered as ``gated-attn``).
+
+``GatedAttnLM`` subclasses lm-eval's ``TemplateLM`` (an ``lm_eval.api.model.LM``): lm-eval splits
+each (context, continuation) pair at the token boundary (``_encode_pair``: the whole string is
+encoded, the context's tokens are cut off the front, trailing context spaces move to the
+continuation), and we score the continuation tokens. Inputs longer than the model's window are
+truncated from the left. Generation is greedy, batched over prompts of equal length, and stops at
+the first stop string (or EOS, or ``max_gen_toks``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tokenizers import Tokenizer
+
+from experiments.config import ModelConfig
+from experiments.model import GatedLM
+
+
+@register_model("gated-attn")
+class GatedAttnLM(TemplateLM):
+    """lm-eval model over a :class:`GatedLM` and its corpus tokenizer.
+
+    Args:
+        model: the trained model (eval mode is set here).
+        tokenizer: the corpus tokenizer; ``eot_id`` is its end-of-text token (id 0).
+        batch_size: sequences per forward pass.
+        max_gen_toks: default generation budget (a request's ``max_gen_toks`` overrides it).
+        device: where to run (default: the model's device).
+    """
+
+    def __init__(
+        self,
+        model: GatedLM,
+        tokenizer: Tokenizer,
+        batch_size: int = 32,
+        max_gen_toks: int = 64,
+        eot_id: int = 0,
+        device: str | torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        self.model = model.eval()
+        self._device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.model.to(self._device)
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.max_gen_toks = max_gen_toks
+        self._eot = eot_id
+        self.max_length = model.cfg.max_seq_len
+
+    @classmethod
+    def from_checkpoint(
+        cls, checkpoint: Path, model_cfg: ModelConfig, tokenizer_file: Path, **kwargs: Any
+    ) -> GatedAttnLM:
+        """Load ``final.ckpt`` (a Lightning checkpoint of ``LMModule``; weights under ``model.``)."""
+        state = torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
+        model = GatedLM(model_cfg)
+        model.load_state_dict(
+            {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
+        )
+        return cls(model, Tokenizer.from_file(str(tokenizer_file)), **kwargs)
+
+    @property
+    def eot_token_id(self) -> int:
+        return self._eot
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+        return self.tokenizer.encode(string).ids
+
+    def tok_decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=False)
+
+    @torch.no_grad()
+    def _logprobs(self, rows: list[list[int]]) -> list[torch.Tensor]:
+        """Log-probabilities (T_i, V) of the next token at each position of each row (each row at
+        most ``max_length`` tokens), in float32, batched by equal length."""
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        by_len: dict[int, list[int]] = defaultdict(list)
+        for i, row in enumerate(rows):
+            by_len[len(row)].append(i)
+        for idx in by_len.values():
+            for start in range(0, len(idx), self.batch_size):
+                chunk = idx[start : start + self.batch_size]
+                tokens = torch.tensor([rows[i] for i in chunk], device=self._device)
+                logp = F.log_softmax(self.model(tokens).float(), dim=-1).cpu()
+                for j, i in enumerate(chunk):
+                    out[i] = logp[j]
+        return out  # type: ignore[return-value]
+
+    def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """Sum of log p(continuation | context) and whether it is the greedy continuation; the
+        joined tokens keep their last ``max_length + 1``."""
+        rows, spans = [], []
+        for context, continuation in pairs:
+            whole = (context + continuation)[-(self.max_length + 1) :]
+            continuation = continuation[-(len(whole) - 1) :]  # longer than the window: its end
+            rows.append(whole[:-1])
+            spans.append((len(whole) - 1 - len(continuation), continuation))
+        results = []
+        for logp, (start, continuation) in zip(self._logprobs(rows), spans):
+            picked = logp[start : start + len(continuation)]
+            target = torch.tensor(continuation)
+            logprob = picked.gather(-1, target[:, None]).sum().item()
+            results.append((logprob, bool((picked.argmax(-1) == target).all())))
+        return results
+
+    def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kwargs: Any) -> list:
+        return self._score([(context, continuation) for _, context, continuation in requests])
+
+    def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
+        """Total log-likelihood of each document, in disjoint windows of ``max_length`` tokens,
+        the first conditioned on EOS."""
+        totals = []
+        for (text,) in (r.args for r in requests):
+            windows = [
+                make_disjoint_window(w)
+                for w in get_rolling_token_windows(
+                    self.tok_encode(text), self.prefix_token_id, self.max_length, context_len=1
+                )
+            ]
+            totals.append(sum(lp for lp, _ in self._score(windows)))
+        return totals
+
+    @torch.no_grad()
+    def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
+        """Greedy continuation of each context until the first ``until`` string (not included),
+        EOS, or ``max_gen_toks`` tokens."""
+        jobs = []
+        for context, gen_kwargs in (r.args for r in requests):
+            until = gen_kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            budget = int(gen_kwargs.get("max_gen_toks", self.max_gen_toks))
+            budget = max(1, min(budget, self.max_length - 1))
+            prompt = self.tok_encode(context)[-(self.max_length - budget) :] or [self.eot_token_id]
+            jobs.append((prompt, until, budget))
+        outputs: list[str] = [""] * len(jobs)
+        groups: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for i, (prompt, _, budget) in enumerate(jobs):
+            groups[(len(prompt), budget)].append(i)
+        for (_, budget), idx in groups.items():
+            for start in range(0, len(idx), self.batch_size):
+                chunk = idx[start : start + self.batch_size]
+                tokens = torch.tensor([jobs[i][0] for i in chunk], device=self._device)
+                generated = self._greedy(tokens, budget, [jobs[i][1] for i in chunk])
+                for i, ids in zip(chunk, generated):
+                    outputs[i] = cut_at_stop(self.tok_decode(ids), jobs[i][1])
+        return outputs
+
+    def _greedy(self, tokens: torch.Tensor, budget: int, stops: list[list[str]]) -> list[list[int]]:
+        """(B, T) prompts -> up to ``budget`` greedy tokens each, stopping a row at EOS or once its
+        decoded text holds a stop string. No KV cache: each step is one forward pass."""
+        new: list[list[int]] = [[] for _ in range(tokens.shape[0])]
+        done = [False] * tokens.shape[0]
+        for _ in range(budget):
+            nxt = self.model(tokens)[:, -1].argmax(-1)
+            tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+            for b, token in enumerate(nxt.tolist()):
+                if done[b]:
+                    continue
+                if token == self.eot_token_id:
+                    done[b] = True
+                    continue
+                new[b].append(token)
+                if any(s in self.tok_decode(new[b]) for s in stops[b]):
+                    done[b] = True
+            if all(done):
+                break
+        return new
+
+
+def cut_at_stop(text: str, stops: list[str]) -> str:
+    """``text`` up to the earliest occurrence of any stop string."""
+    cut = min((text.find(s) for s in stops if s and s in text), default=len(text))
+    return text[:cut]

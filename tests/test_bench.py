@@ -1,0 +1,242 @@
+"""Benchmarks: the lm-eval wrapper against direct model arithmetic, the offline suite's data, the
+HumanEval executor, a micro task end to end through ``lm_eval.simple_evaluate``."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+from lm_eval.api.instance import Instance
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from experiments.config import ModelConfig
+from experiments.model import GatedLM
+from sweep.bench_eval import parse_results
+from sweep.bench_suite import bigbench_docs, humaneval_problems, mmlu_dev_questions
+from sweep.grid import GridError, load_grid
+from sweep.humaneval_exec import passes
+from sweep.lm_wrapper import GatedAttnLM, cut_at_stop
+
+TEXT = "the cat sat on the mat. a dog ran in the park. the sun is hot and the sky is blue. " * 20
+WINDOW = 24
+
+
+@pytest.fixture(scope="module")
+def lm() -> GatedAttnLM:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator([TEXT], trainer)
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=tok.get_vocab_size(), d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+        ffn_dim=64, max_seq_len=WINDOW,
+    )  # fmt: skip
+    return GatedAttnLM(GatedLM(cfg), tok, batch_size=3, max_gen_toks=12)
+
+
+def direct_logprob(lm: GatedAttnLM, tokens: list[int], n_scored: int) -> float:
+    """log p of the last ``n_scored`` tokens of ``tokens`` given the ones before, one forward."""
+    with torch.no_grad():
+        logp = F.log_softmax(lm.model(torch.tensor([tokens[:-1]])).float(), -1)[0]
+    positions = range(len(tokens) - 1 - n_scored, len(tokens) - 1)
+    return sum(logp[i, tokens[i + 1]].item() for i in positions)
+
+
+def request(kind: str, *args: object) -> Instance:
+    return Instance(request_type=kind, doc={}, arguments=args, idx=0)
+
+
+def test_loglikelihood_is_the_sum_of_token_logprobs(lm: GatedAttnLM) -> None:
+    pairs = [("the cat sat on", " the mat"), ("a dog", " ran in the park"), ("the sky is", " blue")]
+    got = lm.loglikelihood([request("loglikelihood", c, x) for c, x in pairs])
+    for (context, continuation), (logprob, _) in zip(pairs, got):
+        whole = lm.tok_encode(context + continuation)
+        n_cont = len(whole) - len(lm.tok_encode(context))
+        assert n_cont > 0
+        assert logprob == pytest.approx(direct_logprob(lm, whole, n_cont), abs=1e-4)
+
+
+def test_a_context_longer_than_the_window_is_cut_from_the_left(lm: GatedAttnLM) -> None:
+    context, continuation = TEXT[:400], " the mat"
+    ((logprob, greedy),) = lm.loglikelihood([request("loglikelihood", context, continuation)])
+    whole = lm.tok_encode(context + continuation)
+    n_cont = len(whole) - len(lm.tok_encode(context))
+    assert len(whole) > WINDOW + 1
+    assert logprob == pytest.approx(direct_logprob(lm, whole[-(WINDOW + 1) :], n_cont), abs=1e-4)
+    assert isinstance(greedy, bool)
+
+
+def test_loglikelihood_rolling_is_the_documents_total_nll(lm: GatedAttnLM) -> None:
+    short = "the cat sat on the mat."
+    tokens = lm.tok_encode(short)
+    assert len(tokens) < WINDOW
+    (got,) = lm.loglikelihood_rolling([request("loglikelihood_rolling", short)])
+    assert got == pytest.approx(direct_logprob(lm, [0, *tokens], len(tokens)), abs=1e-4)
+
+    long = TEXT[:300]
+    tokens = lm.tok_encode(long)
+    assert len(tokens) > 2 * WINDOW
+    # Disjoint chunks of WINDOW predicted tokens; each sees as much of what precedes it as fits
+    # in the window (EOS before the first token).
+    padded, expected = [0, *tokens], 0.0
+    for start in range(0, len(tokens), WINDOW):
+        end = min(start + WINDOW, len(tokens))
+        expected += direct_logprob(lm, padded[max(0, end - WINDOW) : end + 1], end - start)
+    (got,) = lm.loglikelihood_rolling([request("loglikelihood_rolling", long)])
+    assert got == pytest.approx(expected, abs=1e-3)
+
+
+def test_generate_until_stops_at_the_stop_string(lm: GatedAttnLM) -> None:
+    context = "the cat sat"
+    (free,) = lm.generate_until([request("generate_until", context, {"until": [], "max_gen_toks": 12})])
+    assert len(free) >= 4
+    stop = free[2:4]
+    (cut,) = lm.generate_until([request("generate_until", context, {"until": [stop], "max_gen_toks": 12})])
+    assert cut == free[: free.find(stop)]
+    assert cut_at_stop("abc\ndef x", ["\nd", "x"]) == "abc"
+
+
+def test_offline_suite_data() -> None:
+    mmlu = mmlu_dev_questions()
+    assert len(mmlu) == 282 and len({d["subject"] for d in mmlu}) == 57
+    assert all(0 <= d["answer"] < len(d["choices"]) == len(d["labels"]) for d in mmlu)
+    anatomy = next(d for d in mmlu if d["question"].startswith("Which of the following is the body cavity"))
+    assert anatomy["choices"] == ["Abdominal", "Cranial", "Pleural", "Spinal"] and anatomy["answer"] == 1
+    problems = humaneval_problems()
+    assert len(problems) == 164 and problems[0]["task_id"] == "HumanEval/0"
+
+
+def test_bigbench_task_json_becomes_multiple_choice(tmp_path: Path) -> None:
+    spec = {
+        "example_input_prefix": "Q: ",
+        "examples": [
+            {"input": "2+2?", "target_scores": {"3": 0, "4": 1, "5": 0}},
+            {"input": "free text", "target": "x"},  # no choices: skipped
+        ],
+    }
+    archive = tmp_path / "bigbench-1.0.0.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        data = json.dumps(spec).encode()
+        info = tarfile.TarInfo("bigbench-1.0.0/bigbench/benchmark_tasks/sums/easy/task.json")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    docs = bigbench_docs(archive, "sums", "easy")
+    assert docs == [
+        {"question": "Q: 2+2?", "choices": ["3", "4", "5"], "labels": ["A", "B", "C"], "answer": 1}
+    ]
+
+
+def test_humaneval_executor_runs_the_tests_in_a_subprocess() -> None:
+    problem = humaneval_problems()[0]
+    assert passes(problem, problem["canonical_solution"])
+    assert not passes(problem, "    return None\n")
+    assert not passes(problem, "    while True:\n        pass\n", timeout_s=1.0)
+
+
+def test_a_micro_task_runs_end_to_end_through_simple_evaluate(lm: GatedAttnLM, tmp_path: Path) -> None:
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    docs = [
+        {"question": "the cat sat on the", "choices": ["mat", "sky"], "labels": ["A", "B"], "answer": 0},
+        {"question": "the sky is", "choices": ["blue", "hot", "cat"], "labels": ["A", "B", "C"], "answer": 0},
+        {"question": "a dog ran in the", "choices": ["park", "sun"], "labels": ["A", "B"], "answer": 1},
+    ]
+    (tmp_path / "micro.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    from sweep.bench_suite import _mc_task, _write_task
+
+    _write_task(tmp_path / "micro_mc.yaml", _mc_task("micro_mc", tmp_path / "micro.jsonl"))
+    out = simple_evaluate(
+        model=lm, tasks=["micro_mc"], task_manager=TaskManager(include_path=str(tmp_path)), log_samples=False
+    )
+    scores = parse_results("micro_mc", out["results"]["micro_mc"])
+    prompt = "{q}\n" + "{opts}Answer:"
+    hits = 0
+    for d in docs:
+        text = prompt.format(
+            q=d["question"], opts="".join(f"{label}. {c}\n" for label, c in zip(d["labels"], d["choices"]))
+        )
+        asked = [request("loglikelihood", text, f" {label}") for label in d["labels"]]
+        lls = [lp for lp, _ in lm.loglikelihood(asked)]
+        hits += lls.index(max(lls)) == d["answer"]
+    assert scores["bench/micro_mc/acc"] == pytest.approx(hits / len(docs))
+    assert "bench/micro_mc/acc_stderr" in scores
+
+
+def test_grid_eval_section_is_validated(tmp_path: Path) -> None:
+    from tests.test_grid import GOOD, write
+
+    grid = load_grid(
+        write(tmp_path, GOOD + "eval: {tasks: [offline_mmlu_dev], num_fewshot: {offline_mmlu_dev: 5}}\n")
+    )
+    assert grid.eval.tasks == ("offline_mmlu_dev",) and grid.eval.fewshot("offline_mmlu_dev") == 5
+    with pytest.raises(GridError, match=r"eval.shots: unknown key"):
+        load_grid(write(tmp_path, GOOD + "eval: {tasks: [a], shots: 3}\n"))
+    with pytest.raises(GridError, match=r"eval.num_fewshot: must map listed tasks"):
+        load_grid(write(tmp_path, GOOD + "eval: {tasks: [a], num_fewshot: {b: 1}}\n"))
+
+
+def test_make_eval_scores_finished_runs_without_retraining(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from mlflow import MlflowClient
+    from mlflow.entities import ViewType
+
+    from sweep.cli import main
+    from tests.conftest import MICRO, ROOT
+
+    monkeypatch.setenv("GATED_ATTN_CACHE", str(ROOT / ".cache"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    plain, scored = tmp_path / "plain.yaml", tmp_path / "scored.yaml"
+    plain.write_text(MICRO)
+    scored.write_text(
+        MICRO + "eval: {tasks: [offline_mmlu_dev, offline_humaneval], limit: 6, max_gen_toks: 8}\n"
+    )
+    results = tmp_path / "results"
+    assert main(["sweep", "--grid", str(plain), "--results", str(results)]) == 0
+    client = MlflowClient(tracking_uri=f"sqlite:///{results / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("micro-tiny")
+
+    def runs() -> list:
+        return client.search_runs([exp.experiment_id], "tags.kind = 'cell'", run_view_type=ViewType.ALL)
+
+    before = {r.info.run_id for r in runs()}
+    assert not any(k.startswith("bench/") for r in runs() for k in r.data.metrics)
+    capsys.readouterr()
+
+    assert main(["eval", "--grid", str(scored), "--results", str(results)]) == 0
+    assert (
+        "benchmarks (offline_mmlu_dev, offline_humaneval): 2 runs scored, 0 failed" in capsys.readouterr().out
+    )
+    after = runs()
+    assert {r.info.run_id for r in after} == before  # nothing trained again
+    for run in after:
+        acc = run.data.metrics["bench/offline_mmlu_dev/acc"]
+        assert acc in {i / 6 for i in range(7)}  # 6 questions
+        assert run.data.metrics["bench/offline_mmlu_dev/acc_stderr"] >= 0
+        assert run.data.metrics["bench/offline_humaneval/pass_at_1"] in {i / 6 for i in range(7)}
+    csv = pd.read_csv(results / "micro.csv").set_index("id")
+    for run in after:  # one seed per row: the table's value is the run's
+        row = csv.loc[run.data.tags["row"]]
+        assert row["bench_offline_mmlu_dev"] == pytest.approx(
+            run.data.metrics["bench/offline_mmlu_dev/acc"], abs=1e-5
+        )
+        assert row["bench_offline_humaneval"] == pytest.approx(
+            run.data.metrics["bench/offline_humaneval/pass_at_1"], abs=1e-5
+        )
+        assert row["bench_offline_humaneval_n"] == 1
+    table = (results / "micro.md").read_text()
+    assert "mmlu_dev acc (chance 0.250)" in table and "humaneval pass@1" in table
+
+    assert main(["eval", "--grid", str(scored), "--results", str(results)]) == 0  # nothing missing
+    assert "runs scored" not in capsys.readouterr().out
