@@ -35,14 +35,10 @@ def evaluate_checkpoint(
     """Run ``spec.tasks`` on the model in ``checkpoint`` (``final.ckpt``) with lm-eval.
 
     Offline tasks come from ``sweep.bench_suite``; with only those, the Hugging Face libraries
-    are put in offline mode. Returns ``{bench/<task>/<metric>: value}`` and their
-    ``..._stderr`` (NaN where lm-eval gives none).
+    are put in offline mode (:func:`prepare_lm_eval`). Returns ``{bench/<task>/<metric>:
+    value}`` and ``..._stderr`` where lm-eval gives a standard error (it gives none for n = 1).
     """
-    offline = all(t in OFFLINE_TASKS + BIGBENCH_TASKS for t in spec.tasks)
-    if offline:  # read when datasets is imported: set before lm-eval loads it
-        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    prepare_lm_eval(spec)
     import torch
     from lm_eval import simple_evaluate
 
@@ -79,6 +75,20 @@ def evaluate_checkpoint(
     return metrics
 
 
+def prepare_lm_eval(spec: EvalConfig) -> None:
+    """Offline mode for the Hugging Face libraries when every task is offline, then import
+    lm-eval and ``datasets``: both read the environment at import, and importing them here,
+    outside the stderr redirect of :func:`evaluate_missing`, keeps their log handlers on the
+    real stderr."""
+    if all(t in OFFLINE_TASKS + BIGBENCH_TASKS for t in spec.tasks):
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import datasets  # noqa: F401
+    import lm_eval  # noqa: F401
+
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)  # per-task notices would bury the sweep's lines
+
+
 @functools.lru_cache(maxsize=2)
 def _task_manager(include_path: str) -> Any:
     """One lm-eval TaskManager per suite folder and process: building one indexes every task
@@ -100,6 +110,12 @@ def parse_results(task: str, results: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def scored(metrics: dict[str, float], task: str) -> bool:
+    """Whether ``metrics`` hold a score of ``task`` (any ``bench/<task>/...`` key: lm-eval's own
+    tasks report ``acc``, ``exact_match``, ``pass@1``...)."""
+    return any(k.startswith(f"bench/{task}/") for k in metrics)
+
+
 def _main(spec: EvalConfig) -> list[tuple[str, str]]:
     """(task, the metric the tables show) for each task; lm-eval's own tasks: ``acc``."""
     return [(t, MAIN_METRIC.get(t, "acc")) for t in spec.tasks]
@@ -114,8 +130,7 @@ def missing_scores(tracker: Tracker, cells: list[Cell], spec: EvalConfig) -> lis
         run = tracker.done_run(cell.run_key)
         if run is None or run.data.tags.get("status") != STATUS_FINISHED:
             continue
-        wanted = [bench_key(t, m) for t, m in _main(spec)]
-        if any(k not in run.data.metrics for k in wanted):
+        if any(not scored(run.data.metrics, task) for task in spec.tasks):
             todo.append((cell, run))
     return todo
 
@@ -137,6 +152,8 @@ def evaluate_missing(
     if not spec.tasks:
         return 0, 0
     todo = missing_scores(tracker, cells, spec)
+    if todo:
+        prepare_lm_eval(spec)
     failed = 0
     for i, (cell, run) in enumerate(todo, start=1):
         prefix = f"[eval {i}/{len(todo)}] {cell.row.id} s{cell.seed}"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import os
 import re
 import shutil
 import tarfile
@@ -188,6 +189,8 @@ def _bigbench_archive(downloads: Path) -> Path:
                     digest.update(chunk)
                     out.write(chunk)
     except (OSError, StopIteration, KeyError, ValueError) as err:
+        for part in downloads.glob("*.part"):
+            part.unlink(missing_ok=True)
         raise BenchError(f"download of {BIGBENCH_FILE} failed: {type(err).__name__}: {err}") from None
     if digest.hexdigest() != entry["hashes"]["sha256"]:
         Path(out.name).unlink()
@@ -199,31 +202,36 @@ def _bigbench_archive(downloads: Path) -> Path:
 def task_dir(cache_root: Path | None = None, bigbench: bool = False) -> Path:
     """Build (once) and return the folder of the suite's task YAMLs and data.
 
+    Every file is written in a private temporary folder and moved into place with an atomic
+    rename, so processes building at once never read a half-written file; the ``ready`` markers
+    come last.
+
     Raises:
         BenchError: a source package is missing, or the BIG-bench download failed.
     """
-    root = (cache_root or default_cache_root()) / f"bench-v{SUITE_VERSION}"
+    cache = cache_root or default_cache_root()
+    root = cache / f"bench-v{SUITE_VERSION}"
     ready = root / ("ready-bigbench" if bigbench else "ready")
     if ready.exists():
         return root
-    tmp = Path(tempfile.mkdtemp(prefix=".bench-", dir=root.parent if root.parent.exists() else None))
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".bench-build-", dir=cache))  # beside, not inside: lm-eval scans root
     try:
-        target = root if root.exists() else tmp
-        _write_jsonl(target / "mmlu_dev.jsonl", mmlu_dev_questions())
-        _write_task(target / f"{MMLU}.yaml", _mc_task(MMLU, root / "mmlu_dev.jsonl"))
-        _write_jsonl(target / "humaneval.jsonl", humaneval_problems())
-        _write_task(target / f"{HUMANEVAL}.yaml", _humaneval_task(root / "humaneval.jsonl"))
-        shutil.copy(Path(__file__).with_name("humaneval_exec.py"), target / "humaneval_exec.py")
+        _write_jsonl(tmp / "mmlu_dev.jsonl", mmlu_dev_questions())
+        _write_task(tmp / f"{MMLU}.yaml", _mc_task(MMLU, root / "mmlu_dev.jsonl"))
+        _write_jsonl(tmp / "humaneval.jsonl", humaneval_problems())
+        _write_task(tmp / f"{HUMANEVAL}.yaml", _humaneval_task(root / "humaneval.jsonl"))
+        shutil.copy(Path(__file__).with_name("humaneval_exec.py"), tmp / "humaneval_exec.py")
         if bigbench:
-            archive = _bigbench_archive((cache_root or default_cache_root()) / "downloads")
+            archive = _bigbench_archive(cache / "downloads")
             wikihow = bigbench_docs(archive, "goal_step_wikihow", "step_inference")
-            _write_jsonl(target / "wikihow.jsonl", wikihow)
-            _write_task(target / f"{WIKIHOW}.yaml", _mc_task(WIKIHOW, root / "wikihow.jsonl"))
+            _write_jsonl(tmp / "wikihow.jsonl", wikihow)
+            _write_task(tmp / f"{WIKIHOW}.yaml", _mc_task(WIKIHOW, root / "wikihow.jsonl"))
             mathqa = bigbench_docs(archive, "elementary_math_qa", "question_only")
-            _write_jsonl(target / "mathqa.jsonl", mathqa)
-            _write_task(target / f"{MATHQA}.yaml", _mc_task(MATHQA, root / "mathqa.jsonl"))
-        if target is tmp:
-            tmp.rename(root)
+            _write_jsonl(tmp / "mathqa.jsonl", mathqa)
+            _write_task(tmp / f"{MATHQA}.yaml", _mc_task(MATHQA, root / "mathqa.jsonl"))
+        for path in tmp.iterdir():
+            os.replace(path, root / path.name)
         (root / "ready").touch()
         if bigbench:
             ready.touch()

@@ -79,37 +79,28 @@ class GatedAttnLM(TemplateLM):
         return self.tokenizer.decode(tokens, skip_special_tokens=False)
 
     @torch.no_grad()
-    def _logprobs(self, rows: list[list[int]]) -> list[torch.Tensor]:
-        """Log-probabilities (T_i, V) of the next token at each position of each row (each row at
-        most ``max_length`` tokens), in float32, batched by equal length."""
-        out: list[torch.Tensor | None] = [None] * len(rows)
-        by_len: dict[int, list[int]] = defaultdict(list)
-        for i, row in enumerate(rows):
-            by_len[len(row)].append(i)
-        for idx in by_len.values():
-            for start in range(0, len(idx), self.batch_size):
-                chunk = idx[start : start + self.batch_size]
-                tokens = torch.tensor([rows[i] for i in chunk], device=self._device)
-                logp = F.log_softmax(self.model(tokens).float(), dim=-1).cpu()
-                for j, i in enumerate(chunk):
-                    out[i] = logp[j]
-        return out  # type: ignore[return-value]
-
     def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """Sum of log p(continuation | context) and whether it is the greedy continuation; the
-        joined tokens keep their last ``max_length + 1``."""
-        rows, spans = [], []
-        for context, continuation in pairs:
+        joined tokens keep their last ``max_length + 1``. Batched by equal length; only the
+        continuation's positions are kept from each batch (a (T, V) matrix per request would
+        not fit at a large vocabulary)."""
+        results: list[tuple[float, bool]] = [(0.0, True)] * len(pairs)  # an empty continuation
+        by_len: dict[int, list[tuple[int, list[int], int, list[int]]]] = defaultdict(list)
+        for i, (context, continuation) in enumerate(pairs):
             whole = (context + continuation)[-(self.max_length + 1) :]
-            continuation = continuation[-(len(whole) - 1) :]  # longer than the window: its end
-            rows.append(whole[:-1])
-            spans.append((len(whole) - 1 - len(continuation), continuation))
-        results = []
-        for logp, (start, continuation) in zip(self._logprobs(rows), spans):
-            picked = logp[start : start + len(continuation)]
-            target = torch.tensor(continuation)
-            logprob = picked.gather(-1, target[:, None]).sum().item()
-            results.append((logprob, bool((picked.argmax(-1) == target).all())))
+            n = min(len(continuation), len(whole) - 1)  # longer than the window: its end
+            if n > 0:
+                by_len[len(whole) - 1].append((i, whole[:-1], len(whole) - 1 - n, continuation[-n:]))
+        for jobs in by_len.values():
+            for start in range(0, len(jobs), self.batch_size):
+                chunk = jobs[start : start + self.batch_size]
+                tokens = torch.tensor([row for _, row, _, _ in chunk], device=self._device)
+                logits = self.model(tokens).float()
+                for j, (i, _, at, continuation) in enumerate(chunk):
+                    logp = F.log_softmax(logits[j, at : at + len(continuation)], dim=-1).cpu()
+                    target = torch.tensor(continuation)
+                    logprob = logp.gather(-1, target[:, None]).sum().item()
+                    results[i] = (logprob, bool((logp.argmax(-1) == target).all()))
         return results
 
     def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kwargs: Any) -> list:
@@ -136,7 +127,7 @@ class GatedAttnLM(TemplateLM):
         jobs = []
         for context, gen_kwargs in (r.args for r in requests):
             until = gen_kwargs.get("until") or []
-            until = [until] if isinstance(until, str) else list(until)
+            until = [u for u in ([until] if isinstance(until, str) else until) if u]  # "" stops nothing
             budget = int(gen_kwargs.get("max_gen_toks", self.max_gen_toks))
             budget = max(1, min(budget, self.max_length - 1))
             prompt = self.tok_encode(context)[-(self.max_length - budget) :] or [self.eot_token_id]

@@ -225,6 +225,11 @@ def build_table(grid: Grid, scale: str, runs: pd.DataFrame) -> pd.DataFrame:
         for task, metric in bench_columns(grid):
             key = f"bench_{task}"
             metric_key = bench_key(task, metric)
+            if metric_key not in runs:  # lm-eval's own tasks: the first metric they logged
+                logged = [
+                    c for c in runs.columns if c.startswith(f"bench/{task}/") and not c.endswith("_stderr")
+                ]
+                metric_key = logged[0] if logged else metric_key
             line[key], line[f"{key}_std"] = _stat(mine, metric_key) if mine is not None else nan2
             scored = mine is not None and metric_key in mine
             line[f"{key}_n"] = int(mine[metric_key].notna().sum()) if scored else 0

@@ -104,6 +104,9 @@ def test_generate_until_stops_at_the_stop_string(lm: GatedAttnLM) -> None:
     (cut,) = lm.generate_until([request("generate_until", context, {"until": [stop], "max_gen_toks": 12})])
     assert cut == free[: free.find(stop)]
     assert cut_at_stop("abc\ndef x", ["\nd", "x"]) == "abc"
+    (same,) = lm.generate_until([request("generate_until", context, {"until": [""], "max_gen_toks": 12})])
+    assert same == free  # an empty stop string stops nothing
+    assert lm._score([([5], []), ([5, 6], [7])])[0] == (0.0, True)  # nothing to score
 
 
 def test_offline_suite_data() -> None:
@@ -114,6 +117,20 @@ def test_offline_suite_data() -> None:
     assert anatomy["choices"] == ["Abdominal", "Cranial", "Pleural", "Spinal"] and anatomy["answer"] == 1
     problems = humaneval_problems()
     assert len(problems) == 164 and problems[0]["task_id"] == "HumanEval/0"
+
+
+def test_the_suite_builds_into_a_fresh_cache(tmp_path: Path) -> None:
+    from sweep.bench_suite import chance, task_dir
+
+    root = task_dir(tmp_path / "new" / "cache")
+    assert sorted(p.name for p in root.iterdir()) == [
+        "humaneval.jsonl", "humaneval_exec.py", "mmlu_dev.jsonl", "offline_humaneval.yaml",
+        "offline_mmlu_dev.yaml", "ready",
+    ]  # fmt: skip
+    assert not list((tmp_path / "new" / "cache").glob(".bench-build-*"))  # the build folder is gone
+    assert chance(root, "offline_mmlu_dev") == pytest.approx((281 / 4 + 1 / 5) / 282)
+    assert chance(root, "offline_humaneval") is None
+    assert task_dir(tmp_path / "new" / "cache") == root  # built once
 
 
 def test_bigbench_task_json_becomes_multiple_choice(tmp_path: Path) -> None:
