@@ -1,0 +1,145 @@
+"""Fine-grained mixture-of-experts SwiGLU FFN with top-k softmax routing (the paper's 15A2B base:
+128 experts, top-8; Section 2.2 and Table 7), dropless, computed by grouping tokens per expert.
+
+Auxiliary losses (Qwen MoE / Switch Transformer conventions):
+
+- **Load-balancing loss** ``E * sum_e f_e * P_e``, with ``f_e`` the share of the top-k
+  assignments that go to expert ``e`` and ``P_e`` its mean router probability. Both are computed
+  over the *global* batch: the counts and probability sums are all-reduced across data-parallel
+  ranks before the product, not averaged per rank or per micro-batch (global-batch balancing,
+  Qiu et al. 2025, "Demons in the detail"). With one process, the global batch is the batch.
+- **Router z-loss** ``mean_tokens(logsumexp(router_logits) ** 2)`` (ST-MoE).
+
+Under data parallelism each rank's loss equals the global batch's loss, and its gradient is the
+global batch's gradient on the rank's own tokens (``tests/test_moe.py``). DDP then *averages*
+gradients over ranks, so the router's balancing gradient arrives divided by the world size:
+scale ``lb_coef`` by it when wiring this into the trainer.
+
+This module is a first step of issue 4; the model does not use it yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class RouterStats:
+    """What one MoE forward reports besides its output.
+
+    ``lb_loss`` and ``z_loss`` are scalars with gradients; ``load`` is the (E,) number of
+    assignments per expert in the global batch (float, no gradient).
+    """
+
+    lb_loss: torch.Tensor
+    z_loss: torch.Tensor
+    load: torch.Tensor
+
+    @property
+    def load_cv(self) -> float:
+        """Coefficient of variation of the expert load (0 = perfectly balanced)."""
+        return float(self.load.std(unbiased=False) / self.load.mean().clamp(min=1e-9))
+
+
+def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k softmax routing.
+
+    Args:
+        logits: (N, E) router logits.
+        top_k: experts per token.
+
+    Returns:
+        probs (N, E) softmax over all experts; experts (N, k) the k most probable, best first;
+        weights (N, k) their probabilities renormalised to sum to 1 per token.
+    """
+    probs = logits.float().softmax(dim=-1)
+    top, experts = probs.topk(top_k, dim=-1)
+    return probs, experts, top / top.sum(dim=-1, keepdim=True)
+
+
+def balancing_losses(
+    logits: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor, global_batch: bool = True
+) -> RouterStats:
+    """Load-balancing loss and z-loss of one routing (see the module docstring).
+
+    Args:
+        logits: (N, E) router logits; probs: (N, E) their softmax; experts: (N, k) chosen experts.
+        global_batch: all-reduce counts and probability sums across data-parallel ranks (when
+            ``torch.distributed`` is initialised) before forming the loss.
+    """
+    n_experts = probs.shape[-1]
+    counts = torch.bincount(experts.flatten(), minlength=n_experts).to(probs.dtype)
+    prob_sum = probs.sum(dim=0)
+    tokens = torch.tensor(float(probs.shape[0]), device=probs.device)
+    if global_batch and dist.is_available() and dist.is_initialized():
+        stacked = torch.cat([counts, tokens[None]]).detach()
+        dist.all_reduce(stacked)
+        counts, tokens = stacked[:-1], stacked[-1]
+        # The probability sum keeps its gradient: all-reduce a detached copy, add the local part back.
+        total = prob_sum.detach().clone()
+        dist.all_reduce(total)
+        prob_sum = prob_sum + (total - prob_sum.detach())
+    f = counts / (tokens * experts.shape[-1])
+    p = prob_sum / tokens
+    lb = n_experts * (f.detach() * p).sum()
+    z = torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+    return RouterStats(lb, z, counts.detach())
+
+
+class MoEFFN(nn.Module):
+    """Dropless top-k mixture of SwiGLU experts.
+
+    Args:
+        d_model: model width.
+        n_experts: experts (128 in the paper's 15A2B).
+        top_k: experts per token (8).
+        expert_dim: hidden width of each expert (768 at 15A2B: fine-grained).
+        global_batch: balance over the global batch (see :func:`balancing_losses`).
+
+    Shapes: ``forward`` takes (..., d_model) and returns the same shape; the routing statistics of
+    the last call are in ``self.stats``.
+    """
+
+    def __init__(
+        self, d_model: int, n_experts: int, top_k: int, expert_dim: int, global_batch: bool = True
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= n_experts:
+            raise ValueError(f"top_k must be in 1..{n_experts}, got {top_k}")
+        self.n_experts, self.top_k, self.global_batch = n_experts, top_k, global_batch
+        self.router = nn.Linear(d_model, n_experts, bias=False)
+        scale = d_model**-0.5
+        self.w_gate_up = nn.Parameter(torch.randn(n_experts, d_model, 2 * expert_dim) * scale)
+        self.w_down = nn.Parameter(torch.randn(n_experts, expert_dim, d_model) * expert_dim**-0.5)
+        self.stats: RouterStats | None = None
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``e`` on (M, d) tokens -> (M, d)."""
+        gate, up = (x @ self.w_gate_up[e]).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ self.w_down[e]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])  # (N, d)
+        logits = self.router(flat)  # (N, E)
+        probs, experts, weights = route(logits, self.top_k)
+        self.stats = balancing_losses(logits, probs, experts, self.global_batch)
+        # Group the N*k assignments by expert (a stable sort), run each expert once on its slice.
+        assigned = experts.flatten()  # (N*k,)
+        order = assigned.argsort(stable=True)
+        token_of = order // self.top_k  # which token each sorted assignment came from
+        counts = torch.bincount(assigned, minlength=self.n_experts).tolist()
+        outputs = torch.empty(len(order), shape[-1], dtype=flat.dtype, device=flat.device)
+        start = 0
+        for e, n in enumerate(counts):  # a loop over experts, never over tokens
+            if n:
+                outputs[start : start + n] = self.expert(e, flat[token_of[start : start + n]])
+            start += n
+        weighted = outputs * weights.flatten()[order, None].to(outputs.dtype)
+        out = torch.zeros_like(flat).index_add_(0, token_of, weighted)
+        return out.reshape(shape)
