@@ -116,7 +116,7 @@ def scored(metrics: dict[str, float], task: str) -> bool:
     return any(k.startswith(f"bench/{task}/") for k in metrics)
 
 
-def _main(spec: EvalConfig) -> list[tuple[str, str]]:
+def shown_metrics(spec: EvalConfig) -> list[tuple[str, str]]:
     """(task, the metric the tables show) for each task; lm-eval's own tasks: ``acc``."""
     return [(t, MAIN_METRIC.get(t, "acc")) for t in spec.tasks]
 
@@ -169,6 +169,8 @@ def evaluate_missing(
             out(f"{prefix} FAILED: {type(err).__name__}: {err}")
             continue
         tracker.log_metrics(run.info.run_id, scores, step=cell.config.train.max_steps)
-        shown = ", ".join(f"{t} {m} {scores.get(bench_key(t, m), float('nan')):.3f}" for t, m in _main(spec))
+        shown = ", ".join(
+            f"{t} {m} {scores.get(bench_key(t, m), float('nan')):.3f}" for t, m in shown_metrics(spec)
+        )
         out(f"{prefix}: {shown}")
     return len(todo) - failed, failed

@@ -113,36 +113,44 @@ def bigbench_docs(archive: Path, task: str, subtask: str | None = None) -> list[
     return docs
 
 
-def _mc_task(name: str, data: Path) -> dict[str, Any]:
+def _json_task(name: str, data: Path, metric: str, **spec: Any) -> dict[str, Any]:
+    """An lm-eval task over the JSONL file ``data`` (its ``test`` split), scored by the mean of
+    ``metric``; ``spec`` holds the output type and prompt keys."""
     return {
         "task": name,
         "dataset_path": "json",
         "dataset_kwargs": {"data_files": {"test": str(data)}},
         "test_split": "test",
-        "fewshot_split": "test",
-        "output_type": "multiple_choice",
-        "doc_to_text": _MC_TEXT,
-        "doc_to_choice": "{{labels}}",
-        "doc_to_target": "answer",
-        "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+        **spec,
+        "metric_list": [{"metric": metric, "aggregation": "mean", "higher_is_better": True}],
         "metadata": {"version": SUITE_VERSION},
     }
+
+
+def _mc_task(name: str, data: Path) -> dict[str, Any]:
+    return _json_task(
+        name,
+        data,
+        "acc",
+        fewshot_split="test",
+        output_type="multiple_choice",
+        doc_to_text=_MC_TEXT,
+        doc_to_choice="{{labels}}",
+        doc_to_target="answer",
+    )
 
 
 def _humaneval_task(data: Path) -> dict[str, Any]:
-    return {
-        "task": HUMANEVAL,
-        "dataset_path": "json",
-        "dataset_kwargs": {"data_files": {"test": str(data)}},
-        "test_split": "test",
-        "output_type": "generate_until",
-        "doc_to_text": "{{prompt}}",
-        "doc_to_target": "{{test}}",
-        "generation_kwargs": {"until": ["\nclass", "\ndef", "\n#", "\nif", "\nprint"], "do_sample": False},
-        "process_results": "!function humaneval_exec.process_results",
-        "metric_list": [{"metric": "pass@1", "aggregation": "mean", "higher_is_better": True}],
-        "metadata": {"version": SUITE_VERSION},
-    }
+    return _json_task(
+        HUMANEVAL,
+        data,
+        "pass@1",
+        output_type="generate_until",
+        doc_to_text="{{prompt}}",
+        doc_to_target="{{test}}",
+        generation_kwargs={"until": ["\nclass", "\ndef", "\n#", "\nif", "\nprint"], "do_sample": False},
+        process_results="!function humaneval_exec.process_results",
+    )
 
 
 def chance(folder: Path, task: str) -> float | None:

@@ -68,6 +68,11 @@ def _writable(results: Path) -> None:
         raise UsageError(f"{results}: results folder is not writable ({err.strerror})") from None
 
 
+def _cache_root() -> Path | None:
+    """``GATED_ATTN_CACHE`` if set (the corpus and benchmark cache), else the default."""
+    return Path(os.environ["GATED_ATTN_CACHE"]) if os.environ.get("GATED_ATTN_CACHE") else None
+
+
 def _command_line() -> str:
     return "python -m sweep.cli " + shlex.join(sys.argv[1:])
 
@@ -102,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             paths = write_tables(grid, args.scale, results, _command_line(), seeds)
             print(f"wrote {', '.join(map(str, paths.values()))}")
             return 0
-        cache = Path(os.environ["GATED_ATTN_CACHE"]) if os.environ.get("GATED_ATTN_CACHE") else None
+        cache = _cache_root()
         if args.command == "eval":
             failed = _evaluate(grid, args.scale, cells, results, cache)
             paths = write_tables(grid, args.scale, results, _command_line())  # every seed found
@@ -132,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
                     raise
                 print("sweep interrupted; run the same command again to resume", file=sys.stderr)
                 return stop.exit_code
-        minutes = (time.perf_counter() - started) / 60
         if stop.signum is not None:
+            minutes = (time.perf_counter() - started) / 60
             print(f"sweep interrupted after {minutes:.1f} min: {summary_line(outcomes)}")
             print("state saved; run the same command again to resume")
             return stop.exit_code
@@ -221,7 +226,7 @@ def _tune(args: argparse.Namespace, grid, cells, results: Path) -> int:
     ladder = _floats(args.ladder, "ladder") if args.ladder else None
     if args.trials < 1:
         raise UsageError("--trials must be at least 1")
-    cache = Path(os.environ["GATED_ATTN_CACHE"]) if os.environ.get("GATED_ATTN_CACHE") else None
+    cache = _cache_root()
     rows = [c.row for c in cells if c.seed == cells[0].seed and not c.unsupported]
     if not rows:
         raise UsageError(f"{grid.file}: no runnable row to tune among {', '.join(c.row.id for c in cells)}")

@@ -18,8 +18,7 @@ from scipy import stats
 
 from experiments.config import GateConfig, to_dict
 from experiments.model import parameter_count
-from sweep.bench_eval import bench_key
-from sweep.bench_suite import MAIN_METRIC
+from sweep.bench_eval import bench_key, shown_metrics
 from sweep.grid import Cell, Grid, Row, paper_csv, run_key
 from sweep.tracking import (
     DONE_STATUSES,
@@ -245,7 +244,7 @@ def build_table(grid: Grid, scale: str, runs: pd.DataFrame) -> pd.DataFrame:
 
 def bench_columns(grid: Grid) -> list[tuple[str, str]]:
     """(task, metric) of each benchmark column: the grid's ``eval.tasks`` and the metric shown."""
-    return [(t, MAIN_METRIC.get(t, "acc")) for t in grid.eval.tasks]
+    return shown_metrics(grid.eval)
 
 
 def _bench_heading(task: str, metric: str, cache_root: Path | None = None) -> str:

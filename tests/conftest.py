@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -84,16 +85,32 @@ def wait_for_checkpoint(results: Path, min_step: int, procs: list[subprocess.Pop
     raise AssertionError(f"no checkpoint of step {min_step} within 300 s")
 
 
-@pytest.fixture(scope="session")
-def micro(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Run the micro sweep once; the corpus cache is the repository's own (real packages)."""
-    tmp = tmp_path_factory.mktemp("micro")
-    grid = tmp / "micro.yaml"
-    grid.write_text(MICRO)
-    results = tmp / "results"
-    mp = pytest.MonkeyPatch()
+def use_repo_cache(mp: pytest.MonkeyPatch) -> None:
+    """The repository's corpus cache (real packages, built once) and the default per-results
+    SQLite store, whatever the caller's environment says."""
     mp.setenv("GATED_ATTN_CACHE", str(ROOT / ".cache"))
     mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-    code = main(["sweep", "--grid", str(grid), "--results", str(results)])
+
+
+@pytest.fixture
+def repo_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    use_repo_cache(monkeypatch)
+
+
+def swept(tmp: Path, grid_text: str, *args: str) -> Iterator[dict]:
+    """Write ``grid_text`` to ``tmp/micro.yaml`` and sweep it once into ``tmp/results`` (extra
+    CLI ``args`` appended); yields ``{code, grid, results, mp}`` for a shared fixture."""
+    grid = tmp / "micro.yaml"
+    grid.write_text(grid_text)
+    results = tmp / "results"
+    mp = pytest.MonkeyPatch()
+    use_repo_cache(mp)
+    code = main(["sweep", "--grid", str(grid), "--results", str(results), *args])
     yield {"code": code, "grid": grid, "results": results, "mp": mp}
     mp.undo()
+
+
+@pytest.fixture(scope="session")
+def micro(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """Run the micro sweep once; the corpus cache is the repository's own (real packages)."""
+    yield from swept(tmp_path_factory.mktemp("micro"), MICRO)

@@ -210,10 +210,9 @@ def test_make_eval_scores_finished_runs_without_retraining(
     from mlflow.entities import ViewType
 
     from sweep.cli import main
-    from tests.conftest import MICRO, ROOT
+    from tests.conftest import MICRO, use_repo_cache
 
-    monkeypatch.setenv("GATED_ATTN_CACHE", str(ROOT / ".cache"))
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    use_repo_cache(monkeypatch)
     plain, scored = tmp_path / "plain.yaml", tmp_path / "scored.yaml"
     plain.write_text(MICRO)
     scored.write_text(

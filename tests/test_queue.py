@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import optuna
@@ -14,10 +15,10 @@ from mlflow import MlflowClient
 from mlflow.entities import ViewType
 
 from sweep.cli import main
-from sweep.grid import load_grid
+from sweep.grid import Grid, load_grid
 from sweep.interrupt import StopRequest
-from sweep.queue import enqueue_cells, open_queue, pop_cell, record, run_worker
-from sweep.runner import prepare_sweep
+from sweep.queue import Queue, enqueue_cells, open_queue, pop_cell, record, run_worker
+from sweep.runner import SweepContext, prepare_sweep
 from sweep.storage import storage_url
 from tests.conftest import LONG_MICRO, LONG_STEPS, MICRO, ROOT, start_slow_cli, wait_for_checkpoint
 
@@ -33,14 +34,8 @@ def queue_trials(results: Path) -> list[optuna.trial.FrozenTrial]:
     return study.get_trials()
 
 
-@pytest.fixture
-def env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("GATED_ATTN_CACHE", str(ROOT / ".cache"))
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-
-
 def test_three_workers_train_every_cell_exactly_once(
-    env: None, tmp_path: Path, capsys: pytest.CaptureFixture
+    repo_cache: None, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     grid = tmp_path / "micro.yaml"
     grid.write_text(MICRO)
@@ -69,16 +64,37 @@ def test_three_workers_train_every_cell_exactly_once(
     assert len(queue_trials(results)) == 6 and len(all_cell_runs(results)) == 6
 
 
-def test_a_dead_workers_cell_is_taken_over_and_resumed(env: None, tmp_path: Path) -> None:
+@dataclass
+class Queued:
+    """A grid prepared as a driver would, with its queue open (heartbeat 1 s)."""
+
+    grid_path: Path
+    results: Path
+    grid: Grid
+    cells: list
+    ctx: SweepContext
+    url: str
+    queue: Queue
+
+
+def queued(tmp_path: Path, grid_text: str, row: str | None = None) -> Queued:
+    """Write the grid, create the store and corpus (``prepare_sweep``) and open the queue; the
+    cells are the grid's (``row``'s only, if given). Nothing is enqueued yet."""
     grid_path = tmp_path / "micro.yaml"
-    grid_path.write_text(LONG_MICRO)
+    grid_path.write_text(grid_text)
     results = tmp_path / "results"
     results.mkdir()
     grid = load_grid(grid_path)
-    cells = grid.cells("tiny")
+    cells = [c for c in grid.cells("tiny") if row is None or c.row.id == row]
     ctx = prepare_sweep(grid, cells, results, ROOT / ".cache", out=lambda _line: None)
     url = storage_url(results, None)
-    enqueue_cells(open_queue(grid, "tiny", url, heartbeat_s=1), cells, ctx, force=False)
+    return Queued(grid_path, results, grid, cells, ctx, url, open_queue(grid, "tiny", url, heartbeat_s=1))
+
+
+def test_a_dead_workers_cell_is_taken_over_and_resumed(repo_cache: None, tmp_path: Path) -> None:
+    q = queued(tmp_path, LONG_MICRO)
+    grid_path, results, url = q.grid_path, q.results, q.url
+    enqueue_cells(q.queue, q.cells, q.ctx, force=False)
 
     worker = [
         "worker",
@@ -122,19 +138,12 @@ def test_a_dead_workers_cell_is_taken_over_and_resumed(env: None, tmp_path: Path
     assert os.path.isfile(folder / "final.ckpt")
 
 
-def test_a_cell_enqueued_twice_is_trained_once(env: None, tmp_path: Path) -> None:
+def test_a_cell_enqueued_twice_is_trained_once(repo_cache: None, tmp_path: Path) -> None:
     """Two drivers enqueued one cell at the same moment, and the worker holding the older trial
     died: the younger trial defers to the older one, which is taken over and trained once."""
-    grid_path = tmp_path / "micro.yaml"
-    grid_path.write_text(MICRO)
-    results = tmp_path / "results"
-    results.mkdir()
-    grid = load_grid(grid_path)
-    cells = [c for c in grid.cells("tiny") if c.row.id == "baseline"]
-    ctx = prepare_sweep(grid, cells, results, ROOT / ".cache", out=lambda _line: None)
-    url = storage_url(results, None)
-    queue = open_queue(grid, "tiny", url, heartbeat_s=1)
-    enqueue_cells(queue, cells, ctx, force=False)
+    q = queued(tmp_path, MICRO, "baseline")
+    grid, cells, results, url, queue = q.grid, q.cells, q.results, q.url, q.queue
+    enqueue_cells(queue, cells, q.ctx, force=False)
     attrs = {"run_key": cells[0].run_key, "row": "baseline", "seed": 0, "force": False}
     queue.study.enqueue_trial({}, user_attrs=attrs)  # the other driver, which saw no trial yet
     held = pop_cell(queue, {cells[0].run_key})
@@ -152,16 +161,10 @@ def test_a_cell_enqueued_twice_is_trained_once(env: None, tmp_path: Path) -> Non
 
 
 def test_a_killed_cell_goes_back_into_the_queue_and_a_lapsed_trial_is_not_overwritten(
-    env: None, tmp_path: Path
+    repo_cache: None, tmp_path: Path
 ) -> None:
-    grid_path = tmp_path / "micro.yaml"
-    grid_path.write_text(MICRO)
-    results = tmp_path / "results"
-    results.mkdir()
-    grid = load_grid(grid_path)
-    cells = [c for c in grid.cells("tiny") if c.row.id == "baseline"]
-    ctx = prepare_sweep(grid, cells, results, ROOT / ".cache", out=lambda _line: None)
-    queue = open_queue(grid, "tiny", storage_url(results, None), heartbeat_s=1)
+    q = queued(tmp_path, MICRO, "baseline")
+    cells, ctx, results, queue = q.cells, q.ctx, q.results, q.queue
     assert enqueue_cells(queue, cells, ctx, force=False) == {cells[0].run_key: 0}
     assert enqueue_cells(queue, cells, ctx, force=False) == {cells[0].run_key: 0}  # in flight: once
 

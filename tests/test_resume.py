@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from mlflow import MlflowClient
 from mlflow.entities import ViewType
 
 from sweep.cli import main
-from tests.conftest import LONG_MICRO, LONG_STEPS, ROOT, start_slow_cli, wait_for_checkpoint
+from tests.conftest import LONG_MICRO, LONG_STEPS, start_slow_cli, swept, use_repo_cache, wait_for_checkpoint
 
 STEPS = LONG_STEPS
 ROW = "sdpa_elementwise"
@@ -37,17 +38,10 @@ def history(results: Path, key: str) -> list[tuple[int, float]]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    tmp = tmp_path_factory.mktemp("uninterrupted")
-    grid = tmp / "micro.yaml"
-    grid.write_text(LONG_MICRO)
-    results = tmp / "results"
-    mp = pytest.MonkeyPatch()
-    mp.setenv("GATED_ATTN_CACHE", str(ROOT / ".cache"))
-    mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-    assert main(sweep_args(grid, results)) == 0
-    yield {"grid": grid, "results": results}
-    mp.undo()
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    for run in swept(tmp_path_factory.mktemp("uninterrupted"), LONG_MICRO, "--rows", ROW):
+        assert run["code"] == 0
+        yield run
 
 
 def assert_same_training(results: Path, reference: Path) -> None:
@@ -72,8 +66,7 @@ def test_sigkill_mid_cell_resumes_in_the_same_run(
     killed_at = max(s for s, _ in history(results, "train/loss"))
     assert killed_at < STEPS - 1
 
-    monkeypatch.setenv("GATED_ATTN_CACHE", str(ROOT / ".cache"))
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    use_repo_cache(monkeypatch)
     assert main(sweep_args(uninterrupted["grid"], results)) == 0
     out = capsys.readouterr().out
     assert f"resuming run {dead.info.run_id} (running) from step" in out
@@ -105,8 +98,7 @@ def test_ctrl_c_saves_marks_killed_and_the_next_sweep_resumes(
     assert saved.parent == folder and saved.is_file() and 5 < stopped_at < STEPS
     assert max(s for s, _ in history(results, "train/loss")) == stopped_at - 1  # saved after that step
 
-    monkeypatch.setenv("GATED_ATTN_CACHE", str(ROOT / ".cache"))
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    use_repo_cache(monkeypatch)
     assert main(sweep_args(uninterrupted["grid"], results)) == 0
     assert f"(killed) from {saved.name}" in capsys.readouterr().out
     (run,) = cell_runs(results)
@@ -119,8 +111,7 @@ def test_a_crashed_cell_keeps_its_checkpoint_fails_the_sweep_and_resumes(
 ) -> None:
     from experiments.lit import LMModule
 
-    monkeypatch.setenv("GATED_ATTN_CACHE", str(ROOT / ".cache"))
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    use_repo_cache(monkeypatch)
     results = tmp_path / "results"
     args = ["sweep", "--grid", str(uninterrupted["grid"]), "--results", str(results)]
     original = LMModule.training_step

@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from conftest import MICRO, ROOT
+from conftest import MICRO, use_repo_cache
 from mlflow import MlflowClient
 
 from experiments.config import ConfigError, ModelConfig, RunConfig, TrainConfig
@@ -57,8 +57,7 @@ def test_divergence_bound(loss: float) -> None:
 def test_a_nan_loss_marks_the_cell_diverged_keeps_its_checkpoint_and_the_sweep_goes_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    monkeypatch.setenv("GATED_ATTN_CACHE", str(ROOT / ".cache"))
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    use_repo_cache(monkeypatch)
     original = LMModule._loss
 
     def planted(self: LMModule, batch, reduction: str = "mean"):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from conftest import MICRO, ROOT
+from conftest import MICRO, use_repo_cache
 from mlflow import MlflowClient
 
 from experiments.config import RunConfig, from_dict
@@ -151,8 +151,7 @@ def test_runs_of_an_edited_grid_do_not_enter_the_table(micro: dict, tmp_path: Pa
 def test_a_last_step_off_the_validation_grid_is_still_validated(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("GATED_ATTN_CACHE", str(ROOT / ".cache"))
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    use_repo_cache(monkeypatch)
     grid = tmp_path / "g.yaml"
     grid.write_text(MICRO.replace("max_steps: 8", "max_steps: 5").replace("val_every: 4", "val_every: 3"))
     assert main(["sweep", "--grid", str(grid), "--results", str(tmp_path / "r"), "--rows", "baseline"]) == 0
@@ -167,8 +166,7 @@ def test_a_last_step_off_the_validation_grid_is_still_validated(
 
 @pytest.mark.slow
 def test_probes_every_validation_when_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("GATED_ATTN_CACHE", str(ROOT / ".cache"))
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    use_repo_cache(monkeypatch)
     grid = tmp_path / "g.yaml"
     grid.write_text(MICRO.replace("max_lr: 2e-3}", "max_lr: 2e-3, probe_every: 1}"))
     args = ["sweep", "--grid", str(grid), "--results", str(tmp_path / "r"), "--rows", "sdpa_elementwise"]

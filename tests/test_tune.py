@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import optuna
 import pandas as pd
 import pytest
-from conftest import ROOT
+from conftest import ROOT, use_repo_cache
 from mlflow import MlflowClient
 from optuna.trial import TrialState
 
@@ -42,8 +42,7 @@ rows:
 
 @pytest.fixture
 def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
-    monkeypatch.setenv("GATED_ATTN_CACHE", str(ROOT / ".cache"))
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    use_repo_cache(monkeypatch)
     path = tmp_path / "micro.yaml"
     path.write_text(TUNE)
     grid = load_grid(path)
