@@ -27,7 +27,7 @@ PY   := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS := --grid $(GRID) --scale $(SCALE) $(if $(SEEDS),--seeds $(SEEDS)) $(if $(ROWS),--rows $(ROWS)) $(if $(FORCE),--force)
 
-.PHONY: setup sweep eval tables params tune dashboard bench ui test lint clean
+.PHONY: setup sweep eval tables params tune dashboard bench bench-moe ui test lint clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -57,6 +57,10 @@ dashboard: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m sweep.bench --grid $(GRID) --scale $(SCALE) $(if $(ROWS),--rows $(ROWS))
+
+# tokens/s of the MoE base against a dense model of the same active parameters, same process
+bench-moe: $(STAMP)
+	$(PY) -m sweep.bench --grid grids/table1.yaml --scale $(SCALE) --rows baseline --dense-twin
 
 ui: $(STAMP)
 	$(VENV)/bin/mlflow ui --backend-store-uri "$${MLFLOW_TRACKING_URI:-sqlite:///results/mlflow.db}" --host 127.0.0.1 --port $(PORT)

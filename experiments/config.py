@@ -88,8 +88,38 @@ class GateConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """Fine-grained mixture-of-experts FFN (Section 2.2, Table 7: 15A2B has 128 experts of width
+    768, top-8 softmax routing, global-batch load balancing and z-loss)."""
+
+    n_experts: int = 128
+    """Routed experts per layer (E)."""
+    top_k: int = 8
+    """Experts each token is sent to (k); their renormalised router probabilities weight them."""
+    expert_dim: int = 768
+    """Hidden width of each SwiGLU expert (fine-grained: 768 = 0.375 d at 15A2B)."""
+    lb_coef: float = 0.01
+    """Weight of the load-balancing loss ``E * sum_e f_e P_e`` (mean over layers) in the training loss."""
+    z_coef: float = 0.001
+    """Weight of the router z-loss ``mean(logsumexp(logits)^2)`` (mean over layers)."""
+    global_batch: bool = True
+    """Balance over the global batch (counts all-reduced across data-parallel ranks), not per rank."""
+
+    def __post_init__(self) -> None:
+        for name in ("n_experts", "top_k", "expert_dim"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, f"must be positive, got {getattr(self, name)}")
+        if self.top_k > self.n_experts:
+            raise ConfigError("top_k", f"must not exceed n_experts={self.n_experts}, got {self.top_k}")
+        for name in ("lb_coef", "z_coef"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, f"must be 0 or more, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """Decoder-only LM shape (Table 7): pre-RMSNorm, RoPE, GQA, optional qk-norm, SwiGLU FFN."""
+    """Decoder-only LM shape (Table 7): pre-RMSNorm, RoPE, GQA, optional qk-norm, SwiGLU FFN or
+    a mixture of SwiGLU experts, optional sandwich norm."""
 
     vocab_size: int = 4096
     """Embedding rows; the tokenizer's vocabulary must fit in it."""
@@ -104,7 +134,11 @@ class ModelConfig:
     head_dim: int = 32
     """Per-head width d_k, independent of ``d_model``."""
     ffn_dim: int = 384
-    """SwiGLU hidden width before ``match_params``."""
+    """SwiGLU hidden width before ``match_params`` (unused when ``moe`` is set)."""
+    moe: MoEConfig | None = None
+    """Replace every dense FFN by a mixture of experts; ``None`` is a dense model."""
+    sandwich_norm: bool = False
+    """Also RMSNorm the attention and FFN outputs before the residual add (Table 2 row 7)."""
     qk_norm: bool = True
     """RMSNorm over each query and key head before RoPE."""
     tie_embeddings: bool = False
@@ -137,6 +171,8 @@ class ModelConfig:
             raise ConfigError("head_dim", f"must be even for RoPE, got {self.head_dim}")
         if self.ffn_multiple_of <= 0:
             raise ConfigError("ffn_multiple_of", f"must be positive, got {self.ffn_multiple_of}")
+        if self.match_params and self.moe is not None:
+            raise ConfigError("match_params", "narrows the dense FFN; a MoE model (moe set) has none")
         if self.match_params and self.effective_ffn_dim() <= 0:
             raise ConfigError("match_params", "the gate has more parameters than the whole FFN")
 

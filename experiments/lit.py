@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from experiments.config import RunConfig, TrainConfig
-from experiments.model import GatedLM, count_parameters
+from experiments.model import GatedLM, count_active_parameters, count_parameters
+from experiments.moe import MoEFFN, auxiliary_loss, mean_load_cv, router_stats
 from experiments.probes import ProbeResult, run_probes
 from experiments.stability import Diverged, SpikeDetector, check_divergence, divergence_bound
 
@@ -69,7 +70,10 @@ class LMModule(pl.LightningModule):
     """Trains :class:`GatedLM` on next-token prediction.
 
     Logs ``train/loss``, ``train/lr``, ``train/grad_norm`` (before clipping) and
-    ``train/tokens_per_s`` every ``train.log_every`` steps; after each validation,
+    ``train/tokens_per_s`` every ``train.log_every`` steps, and for a MoE model
+    ``train/lb_loss`` and ``train/z_loss`` (means over layers, before their coefficients; the
+    training loss adds them, see :func:`experiments.moe.auxiliary_loss`) and ``moe/load_cv``
+    (mean over layers of the expert load's coefficient of variation); after each validation,
     ``val/ppl/<domain>``, ``val/ppl/avg`` (the mean of the domain PPLs, the paper's "Avg PPL")
     and ``val/loss`` (token-weighted mean NLL in nats). The last validation's figures stay in
     ``self.last_val``.
@@ -97,6 +101,7 @@ class LMModule(pl.LightningModule):
         self.diverge_bound = divergence_bound(cfg.model.vocab_size, cfg.train.diverge_factor)
         self.validations = 0
         self.n_params = count_parameters(self.model)
+        self.n_active_params = count_active_parameters(self.model)
         self.last_val: dict[str, float] = {}
         self.last_val_step = -1
         self._nll_sum = torch.zeros(len(self.domains), dtype=torch.float64)
@@ -120,7 +125,14 @@ class LMModule(pl.LightningModule):
             self.logger.log_metrics({"stability/spike": value}, step=self.global_step)
         self.log("train/loss", loss, on_step=True, prog_bar=False, logger=True)
         self.log("train/lr", self.lr_schedulers().get_last_lr()[0], on_step=True, logger=True)
-        return loss
+        stats = router_stats(self.model)
+        if not stats:
+            return loss
+        aux, lb, z = auxiliary_loss(stats, self.cfg.model.moe, self.trainer.world_size)
+        self.log("train/lb_loss", lb, on_step=True, logger=True)
+        self.log("train/z_loss", z, on_step=True, logger=True)
+        self.log("moe/load_cv", mean_load_cv(stats), on_step=True, logger=True)
+        return loss + aux
 
     def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> None:
         if self._resumed_rng is not None:  # the state saved at the start of this same step
@@ -187,8 +199,11 @@ class LMModule(pl.LightningModule):
 
     def configure_optimizers(self):
         t = self.cfg.train
-        # Decay only projection and embedding matrices; norm gains and static gate logits keep theirs.
+        # Decay only projection, expert and embedding matrices; norm gains and static gate logits keep theirs.
         matrices = {id(m.weight) for m in self.model.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+        for m in self.model.modules():
+            if isinstance(m, MoEFFN):
+                matrices |= {id(m.w_gate_up), id(m.w_down)}
         decay = [p for p in self.model.parameters() if id(p) in matrices]
         no_decay = [p for p in self.model.parameters() if id(p) not in matrices]
         optimizer = torch.optim.AdamW(

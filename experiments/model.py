@@ -1,4 +1,4 @@
-"""Decoder-only LM of the paper's shape (Table 7): pre-RMSNorm, RoPE, GQA, qk-norm, SwiGLU.
+"""Decoder-only LM of the paper's shape (Table 7): pre-RMSNorm, RoPE, GQA, qk-norm, SwiGLU or MoE.
 
 Shape legend: B batch, T tokens, d ``d_model``, H query heads, K key/value heads, D ``head_dim``,
 V vocabulary. The training path uses ``torch.nn.functional.scaled_dot_product_attention``.
@@ -12,6 +12,7 @@ from torch import nn
 
 from experiments.config import ModelConfig
 from experiments.gating import AttentionGate, gate_projection_width
+from experiments.moe import MoEFFN
 
 
 class RotaryEmbedding(nn.Module):
@@ -108,19 +109,30 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm decoder block: ``x + attn(norm(x))`` then ``x + ffn(norm(x))``."""
+    """Pre-norm decoder block: ``x + attn(norm(x))`` then ``x + ffn(norm(x))``.
+
+    The FFN is a SwiGLU, or a :class:`~experiments.moe.MoEFFN` when ``cfg.moe`` is set. With
+    ``cfg.sandwich_norm`` each sub-layer's output is RMSNormed again before the residual add,
+    ``x + norm(attn(norm(x)))`` (the "sandwich norm" of Table 2 row 7).
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.ffn = SwiGLU(cfg.d_model, cfg.effective_ffn_dim())
+        if cfg.moe is None:
+            self.ffn: nn.Module = SwiGLU(cfg.d_model, cfg.effective_ffn_dim())
+        else:
+            m = cfg.moe
+            self.ffn = MoEFFN(cfg.d_model, m.n_experts, m.top_k, m.expert_dim, m.global_batch)
+        post = (lambda: nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)) if cfg.sandwich_norm else nn.Identity
+        self.attn_post_norm, self.ffn_post_norm = post(), post()
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
         """(B, T, d) residual stream in and out."""
-        x = x + self.attn(self.attn_norm(x), rope)
-        return x + self.ffn(self.ffn_norm(x))
+        x = x + self.attn_post_norm(self.attn(self.attn_norm(x), rope))
+        return x + self.ffn_post_norm(self.ffn(self.ffn_norm(x)))
 
 
 class GatedLM(nn.Module):
@@ -145,6 +157,9 @@ class GatedLM(nn.Module):
         # Qwen3 init: N(0, initializer_range) for every linear and embedding; gate rows included.
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
+        elif isinstance(module, MoEFFN):  # its experts are stacked matrices, not nn.Linear
+            nn.init.normal_(module.w_gate_up, mean=0.0, std=self.cfg.init_std)
+            nn.init.normal_(module.w_down, mean=0.0, std=self.cfg.init_std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, T) token ids -> (B, T, V) next-token logits."""
@@ -166,7 +181,21 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def count_active_parameters(model: nn.Module) -> int:
+    """Parameters one token uses: all of them but the ``n_experts - top_k`` unchosen experts of
+    each MoE layer. Embedding and LM head count, as in Qwen's published counts (Qwen3-30B-A3B:
+    30.5B total, 3.3B activated; ``tests/test_model.py``). Equals the total for a dense model."""
+    inactive = sum(m.inactive_parameters() for m in model.modules() if isinstance(m, MoEFFN))
+    return count_parameters(model) - inactive
+
+
 def parameter_count(cfg: ModelConfig) -> int:
     """Total parameters of ``GatedLM(cfg)``, built on the meta device (no memory allocated)."""
+    return parameter_counts(cfg)[0]
+
+
+def parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
+    """(total, active) parameters of ``GatedLM(cfg)``, built on the meta device."""
     with torch.device("meta"):
-        return count_parameters(GatedLM(cfg))
+        model = GatedLM(cfg)
+    return count_parameters(model), count_active_parameters(model)

@@ -13,9 +13,7 @@ Auxiliary losses (Qwen MoE / Switch Transformer conventions):
 Under data parallelism each rank's loss equals the global batch's loss, and its gradient is the
 global batch's gradient on the rank's own tokens (``tests/test_moe.py``). DDP then *averages*
 gradients over ranks, so the router's balancing gradient arrives divided by the world size:
-scale ``lb_coef`` by it when wiring this into the trainer.
-
-This module is a first step of issue 4; the model does not use it yet.
+:func:`auxiliary_loss` multiplies the balancing term by the world size to undo that.
 """
 
 from __future__ import annotations
@@ -26,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from experiments.config import MoEConfig
 
 
 @dataclass
@@ -41,9 +41,10 @@ class RouterStats:
     load: torch.Tensor
 
     @property
-    def load_cv(self) -> float:
-        """Coefficient of variation of the expert load (0 = perfectly balanced)."""
-        return float(self.load.std(unbiased=False) / self.load.mean().clamp(min=1e-9))
+    def load_cv(self) -> torch.Tensor:
+        """Coefficient of variation of the expert load (0 = perfectly balanced), a 0-d tensor
+        (no device sync until it is read)."""
+        return self.load.std(unbiased=False) / self.load.mean().clamp(min=1e-9)
 
 
 def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -113,10 +114,17 @@ class MoEFFN(nn.Module):
             raise ValueError(f"top_k must be in 1..{n_experts}, got {top_k}")
         self.n_experts, self.top_k, self.global_batch = n_experts, top_k, global_batch
         self.router = nn.Linear(d_model, n_experts, bias=False)
-        scale = d_model**-0.5
+        scale = d_model**-0.5  # GatedLM re-initialises these with its init_std
         self.w_gate_up = nn.Parameter(torch.randn(n_experts, d_model, 2 * expert_dim) * scale)
         self.w_down = nn.Parameter(torch.randn(n_experts, expert_dim, d_model) * expert_dim**-0.5)
         self.stats: RouterStats | None = None
+        #: ``torch.nn.functional.grouped_mm`` for the experts; turns itself off where unsupported.
+        self.use_grouped_mm = True
+
+    def inactive_parameters(self) -> int:
+        """Expert parameters a token does not use: those of ``n_experts - top_k`` experts."""
+        per_expert = (self.w_gate_up.numel() + self.w_down.numel()) // self.n_experts
+        return (self.n_experts - self.top_k) * per_expert
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``e`` on (M, d) tokens -> (M, d)."""
@@ -129,17 +137,73 @@ class MoEFFN(nn.Module):
         logits = self.router(flat)  # (N, E)
         probs, experts, weights = route(logits, self.top_k)
         self.stats = balancing_losses(logits, probs, experts, self.global_batch)
-        # Group the N*k assignments by expert (a stable sort), run each expert once on its slice.
+        # Group the N*k assignments by expert (a stable sort); each expert runs once on its slice.
         assigned = experts.flatten()  # (N*k,)
         order = assigned.argsort(stable=True)
         token_of = order // self.top_k  # which token each sorted assignment came from
-        counts = torch.bincount(assigned, minlength=self.n_experts).tolist()
-        outputs = torch.empty(len(order), shape[-1], dtype=flat.dtype, device=flat.device)
-        start = 0
-        for e, n in enumerate(counts):  # a loop over experts, never over tokens
-            if n:
-                outputs[start : start + n] = self.expert(e, flat[token_of[start : start + n]])
-            start += n
+        counts = torch.bincount(assigned, minlength=self.n_experts)
+        grouped = flat[token_of]  # (N*k, d), expert 0's tokens first
+        outputs = self._grouped_experts(grouped, counts) if self.use_grouped_mm else None
+        if outputs is None:
+            outputs = self._looped_experts(grouped, counts)
         weighted = outputs * weights.flatten()[order, None].to(outputs.dtype)
-        out = torch.zeros_like(flat).index_add_(0, token_of, weighted)
+        out = torch.zeros_like(flat).index_add_(0, token_of, weighted.to(flat.dtype))
         return out.reshape(shape)
+
+    def _grouped_experts(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+        """All experts in two ``grouped_mm`` calls (one kernel each instead of E small matmuls);
+        None where this build or device cannot run them, and the layer falls back to the loop."""
+        offsets = counts.cumsum(0).to(torch.int32)
+        device = grouped.device.type
+        # grouped_mm has no autocast rule: cast by hand, as autocast casts the dense path's matmuls
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else grouped.dtype
+        grouped = grouped.to(dtype)
+        w_gate_up, w_down = self.w_gate_up.to(dtype), self.w_down.to(dtype)
+        try:
+            gate, up = F.grouped_mm(grouped, w_gate_up, offs=offsets).chunk(2, dim=-1)
+            return F.grouped_mm((F.silu(gate) * up).contiguous(), w_down, offs=offsets)
+        except torch.OutOfMemoryError:
+            raise
+        except (AttributeError, RuntimeError, NotImplementedError):  # e.g. a GPU without the kernel
+            self.use_grouped_mm = False
+            return None
+
+    def _looped_experts(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """One matmul pair per expert on its contiguous slice: a loop over experts, never tokens."""
+        outputs = torch.empty_like(grouped)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                outputs[start : start + n] = self.expert(e, grouped[start : start + n])
+            start += n
+        return outputs
+
+
+def router_stats(model: nn.Module) -> list[RouterStats]:
+    """The routing statistics of every :class:`MoEFFN` in ``model`` from its last forward."""
+    return [m.stats for m in model.modules() if isinstance(m, MoEFFN) and m.stats is not None]
+
+
+def auxiliary_loss(
+    stats: list[RouterStats], cfg: MoEConfig, world_size: int = 1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The router losses added to the LM loss: ``lb_coef * world_size * LB + z_coef * Z``.
+
+    LB and Z are the means over layers of each layer's load-balancing loss and z-loss. With
+    global-batch balancing the balancing term is multiplied by ``world_size``, because DDP
+    averages gradients while each rank's balancing gradient is already the global batch's on its
+    own tokens (module docstring). Per-rank balancing (``global_batch=False``) needs no factor:
+    DDP's average of the per-rank gradients is the gradient of the mean per-rank loss.
+
+    Returns:
+        (total, lb_mean, z_mean): scalars; ``total`` carries the gradient.
+    """
+    lb = torch.stack([s.lb_loss for s in stats]).mean()
+    z = torch.stack([s.z_loss for s in stats]).mean()
+    factor = world_size if cfg.global_batch else 1
+    return cfg.lb_coef * factor * lb + cfg.z_coef * z, lb, z
+
+
+def mean_load_cv(stats: list[RouterStats]) -> torch.Tensor:
+    """Mean over layers of the expert load's coefficient of variation (0 = balanced), 0-d."""
+    return torch.stack([s.load_cv for s in stats]).mean()

@@ -74,12 +74,11 @@ def first_token_figure(runs: pd.DataFrame) -> Figure | None:
         return None
     fig = Figure(figsize=(7, 4), layout="constrained")
     ax = fig.add_subplot()
-    layers = np.arange(len(layer_cols))
     for (label, gate), group in runs.groupby(["label", "gate"], sort=False):
-        values = group[layer_cols].mean().dropna().to_numpy()  # mean over seeds; depth may vary
+        values = group[layer_cols].mean().dropna().to_numpy()  # mean over seeds; depth varies by row
         base = gate == BASELINE
         ax.plot(
-            layers,
+            np.arange(len(values)),
             values,
             marker="o",
             color="black" if base else None,
@@ -87,7 +86,7 @@ def first_token_figure(runs: pd.DataFrame) -> Figure | None:
             label=f"{label} (mean {np.mean(values):.3f})",
         )
     ax.set(xlabel="layer", ylabel="attention on the first token", title="First-token attention per layer")
-    ax.set_xticks(layers)
+    ax.set_xticks(np.arange(len(layer_cols)))
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=7)
     return fig

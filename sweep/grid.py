@@ -2,10 +2,10 @@
 
 A grid holds ``base`` (model / train / data), named ``scales`` that resize the base, and
 ``rows`` that override it. A row value ``x2`` or ``x1.5`` means "the scale's value times
-that", so one row list serves every scale (``n_kv_heads: x2`` is Table 1's k = 8 at the
-paper's size). ``inherit: other.yaml`` (a path relative to the grid) takes that grid's ``base``
-and ``scales`` as this grid's starting point, so Tables 1, 3 and 4 share one definition of the
-model and of each scale.
+that" (``x12/7`` a fraction, exact for integers), so one row list serves every scale
+(``n_kv_heads: x2`` is Table 1's k = 8 at the paper's size). ``inherit: other.yaml`` (a path
+relative to the grid) takes that grid's ``base`` and ``scales`` as this grid's starting point,
+so Tables 1, 3 and 4 share one definition of the model and of each scale.
 Precedence: dataclass defaults < base < scale < row.
 
 Everything is checked before any training; a problem raises :class:`GridError`, whose message
@@ -19,6 +19,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
+from fractions import Fraction
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -36,10 +37,10 @@ GRID_KEYS = {
 EVAL_KEYS = {"tasks", "num_fewshot", "limit", "batch_size", "max_gen_toks"}
 #: Probe columns a table may show (``columns:`` in a grid); the CSV always has all of them.
 TABLE_COLUMNS = ("gate_score", "m_act", "f_attn", "loss_spikes")
-ROW_KEYS = {"id", "label", "paper_row", "requires", "model", "train", "data"}
+ROW_KEYS = {"id", "label", "paper_row", "requires", "compare_to", "model", "train", "data"}
 SECTION_KEYS = {"model", "train", "data"}
 KNOWN_FEATURES = {"dense": "dense", "moe": "MoE"}  # id -> how messages name it
-_RELATIVE = re.compile(r"^x(\d+(?:\.\d+)?)$")
+_RELATIVE = re.compile(r"^x(\d+(?:\.\d+)?|\d+/[1-9]\d*)$")
 _ROW_ID = re.compile(r"^[a-z0-9_]+$")
 
 
@@ -130,6 +131,9 @@ class Row:
     overrides: dict[str, Any]
     paper_row: int | None = None
     requires: tuple[str, ...] = ()
+    compare_to: str | None = None
+    """The row this one's Δ PPL and added parameters are measured against (default: the grid's
+    ``baseline_row``); Table 2 compares each 48-layer row with the 48-layer baseline, say."""
 
 
 @dataclass(frozen=True)
@@ -221,8 +225,13 @@ class Grid:
         return next(r for r in self.rows if r.id == self.baseline_row)
 
     def baseline_config(self, scale: str) -> RunConfig:
-        """The baseline row's config at ``scale`` (seed 0): the reference of ``params/added``."""
+        """The baseline row's config at ``scale`` (seed 0)."""
         return self.resolve(scale, self.baseline, 0)
+
+    def reference(self, row: Row) -> Row:
+        """The row ``row`` is compared with: its ``compare_to``, else the grid's baseline row."""
+        rid = row.compare_to or self.baseline_row
+        return next(r for r in self.rows if r.id == rid)
 
 
 def run_key(cfg: RunConfig) -> str:
@@ -241,25 +250,26 @@ def _deep_merge(base: dict, over: dict, path: str, row: str | None, file: Path) 
         if isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = _deep_merge(out[key], value, key_path, row, file)
         elif isinstance(value, str) and _RELATIVE.match(value):
-            out[key] = _scaled(out.get(key), float(_RELATIVE.match(value).group(1)), key_path, row, file)
+            out[key] = _scaled(out.get(key), Fraction(_RELATIVE.match(value).group(1)), key_path, row, file)
         else:
             out[key] = copy.deepcopy(value)
     return out
 
 
-def _scaled(current: Any, factor: float, path: str, row: str | None, file: Path) -> int | float:
+def _scaled(current: Any, factor: Fraction, path: str, row: str | None, file: Path) -> int | float:
+    """``current * factor``, exact for integers (``x12/7`` of 28 layers is 48, not 47.99...)."""
     if isinstance(current, bool) or not isinstance(current, (int, float)):
         raise GridError(
-            file, f"'x{factor:g}' needs a number set by base or scale, found {current!r}", row, path
+            file, f"'x{factor}' needs a number set by base or scale, found {current!r}", row, path
         )
-    value = current * factor
     if isinstance(current, int):
-        if value != int(value):
+        value = current * factor
+        if value.denominator != 1:
             raise GridError(
-                file, f"impossible shape: {current} x {factor:g} = {value:g} is not whole", row, path
+                file, f"impossible shape: {current} x {factor} = {float(value):g} is not whole", row, path
             )
         return int(value)
-    return value
+    return current * float(factor)
 
 
 def paper_csv(name: str) -> Path:
@@ -310,8 +320,11 @@ def _parse_row(file: Path, index: int, raw: Any, seen: set[str]) -> Row:
     paper_row = raw.get("paper_row")
     if paper_row is not None and (isinstance(paper_row, bool) or not isinstance(paper_row, int)):
         raise GridError(file, "must be an integer", rid, "paper_row")
+    compare_to = raw.get("compare_to")
+    if compare_to is not None and not isinstance(compare_to, str):
+        raise GridError(file, "must be a row id", rid, "compare_to")
     overrides = {k: _require_mapping(file, raw[k], k, rid) for k in SECTION_KEYS if k in raw}
-    return Row(rid, label, overrides, paper_row, tuple(requires))
+    return Row(rid, label, overrides, paper_row, tuple(requires), compare_to)
 
 
 def load_grid(file: str | Path) -> Grid:
@@ -358,6 +371,9 @@ def load_grid(file: str | Path) -> Grid:
     baseline = raw.get("baseline_row", "baseline")
     if baseline not in seen:
         raise GridError(file, f"names no row of the grid: '{baseline}'", path="baseline_row")
+    for row in rows:
+        if row.compare_to is not None and row.compare_to not in seen:
+            raise GridError(file, f"names no row of the grid: '{row.compare_to}'", row.id, "compare_to")
     grid = Grid(
         file=file,
         name=str(raw["name"]),

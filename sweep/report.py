@@ -17,7 +17,7 @@ import pandas as pd
 from scipy import stats
 
 from experiments.config import GateConfig, to_dict
-from experiments.model import parameter_count
+from experiments.model import parameter_count, parameter_counts
 from sweep.bench_eval import bench_key, shown_metrics
 from sweep.grid import Cell, Grid, Row, paper_csv, run_key
 from sweep.tracking import (
@@ -168,20 +168,31 @@ def _paper_value(paper: pd.DataFrame | None, row: Row, column: str) -> float:
     return float(paper.loc[row.paper_row, column])
 
 
+def _paper_note(paper: pd.DataFrame | None, row: Row) -> str:
+    """The paper table's ``note`` for ``row`` (Table 2: "diverged", "converged badly"), else ""."""
+    if paper is None or row.paper_row not in paper.index or "note" not in paper.columns:
+        return ""
+    note = paper.loc[row.paper_row, "note"]
+    return note if isinstance(note, str) else ""
+
+
+def _reference_totals(grid: Grid, scale: str) -> dict[str, int]:
+    """Total parameters of every row some row is compared with, by row id."""
+    refs = {grid.reference(r).id: grid.reference(r) for r in grid.rows}
+    return {rid: parameter_count(grid.resolve(scale, row, 0).model) for rid, row in refs.items()}
+
+
 def _row_parameters(
     grid: Grid, scale: str, rows: list[str] | None = None
-) -> Iterator[tuple[int, Row, Cell, float]]:
-    """(table row number, row, its seed-0 cell, total parameters or NaN if unsupported) per grid row."""
+) -> Iterator[tuple[int, Row, Cell, float, float]]:
+    """(table row number, row, its seed-0 cell, total and active parameters, NaN if unsupported)
+    per grid row."""
     for position, row in enumerate(grid.rows, start=1):
         if rows and row.id not in rows:
             continue
         cell = grid.cells(scale, seeds=[0], rows=[row.id])[0]
-        yield (
-            row.paper_row or position,
-            row,
-            cell,
-            math.nan if cell.unsupported else parameter_count(cell.config.model),
-        )
+        total, active = (math.nan, math.nan) if cell.unsupported else parameter_counts(cell.config.model)
+        yield row.paper_row or position, row, cell, total, active
 
 
 def build_table(grid: Grid, scale: str, runs: pd.DataFrame) -> pd.DataFrame:
@@ -197,22 +208,24 @@ def build_table(grid: Grid, scale: str, runs: pd.DataFrame) -> pd.DataFrame:
     domains = sorted(
         c.removeprefix("val/ppl/") for c in runs.columns if c.startswith("val/ppl/") and c != "val/ppl/avg"
     )
-    baseline_total = parameter_count(grid.baseline_config(scale).model)
+    reference_total = _reference_totals(grid, scale)
     by_row = {rid: g.set_index("seed") for rid, g in runs.groupby("row")} if len(runs) else {}
-    base_runs = by_row.get(grid.baseline_row)
-    paper_base = _paper_value(paper, grid.baseline, "avg_ppl")
     nan2 = (math.nan, math.nan)
     lines = []
-    for number, row, cell, total in _row_parameters(grid, scale):
+    for number, row, cell, total, active in _row_parameters(grid, scale):
+        reference = grid.reference(row)
+        base_runs = by_row.get(reference.id)
         line: dict[str, object] = {"row": number, "id": row.id, "label": row.label}
-        line["added_params_m"] = (total - baseline_total) / 1e6
+        line["compare_to"] = reference.id
+        line["added_params_m"] = (total - reference_total[reference.id]) / 1e6
+        line["total_params_m"], line["active_params_m"] = total / 1e6, active / 1e6
         mine = by_row.get(row.id)
         for d in domains:
             line[f"ppl_{d}"], line[f"ppl_{d}_std"] = _stat(mine, f"val/ppl/{d}")
         line["avg_ppl"], line["avg_ppl_std"] = _stat(mine, "val/ppl/avg")
         line["n_seeds"] = 0 if mine is None else int(mine["val/ppl/avg"].notna().sum())
         line["n_diverged"] = int(diverged.get(row.id, 0))
-        if row.id == grid.baseline_row and mine is not None:
+        if row.id == reference.id and mine is not None:
             d, lo, hi = 0.0, math.nan, math.nan  # the reference itself: no interval to speak of
         elif mine is not None and base_runs is not None:
             d, lo, hi, _ = paired_delta(mine["val/ppl/avg"], base_runs["val/ppl/avg"])
@@ -234,7 +247,8 @@ def build_table(grid: Grid, scale: str, runs: pd.DataFrame) -> pd.DataFrame:
             line[f"{key}_n"] = int(mine[metric_key].notna().sum()) if scored else 0
         line["paper_added_params_m"] = _paper_value(paper, row, "added_params_m")
         line["paper_avg_ppl"] = _paper_value(paper, row, "avg_ppl")
-        line["paper_delta"] = line["paper_avg_ppl"] - paper_base
+        line["paper_delta"] = line["paper_avg_ppl"] - _paper_value(paper, reference, "avg_ppl")
+        line["paper_note"] = _paper_note(paper, row)
         for column in PAPER_PROBE_COLUMNS:
             line[f"paper_{column}"] = _paper_value(paper, row, column)
         line["status"] = cell.unsupported or _status(mine is not None, line["n_diverged"])
@@ -299,14 +313,17 @@ def display_table(
     bench: list[tuple[str, str]] | None = None,
 ) -> pd.DataFrame:
     """Human-readable strings for Markdown and LaTeX: missing cells are "—", never 0; the
-    baseline's Δ columns read "reference"; ``columns`` names the probe columns to show
-    (keys of :data:`PROBE_COLUMNS`); ``bench`` the benchmark columns (:func:`bench_columns`),
-    headed with their chance level."""
+    Δ columns of a row measured against itself (``baseline_id``, or ``compare_to`` naming the
+    row) read "reference", and a "vs #" column names each row's reference when they differ; ``columns``
+    names the probe columns to show (keys of :data:`PROBE_COLUMNS`); ``bench`` the benchmark
+    columns (:func:`bench_columns`), headed with their chance level."""
     domains = [
         c.removeprefix("ppl_") for c in table.columns if c.startswith("ppl_") and not c.endswith("_std")
     ]
     out = pd.DataFrame({"#": table["row"], "Method": table["label"]})
     out["Added Param (M)"] = [_fmt_params(v) for v in table["added_params_m"]]
+    if (table["active_params_m"] < table["total_params_m"]).any():  # a MoE grid
+        out["Active Param (M)"] = [_fmt(v, digits=2) for v in table["active_params_m"]]
     for d in domains:
         out[f"PPL {d}"] = [_fmt(v, s) for v, s in zip(table[f"ppl_{d}"], table[f"ppl_{d}_std"])]
     out["Avg PPL"] = [
@@ -325,16 +342,25 @@ def display_table(
         out[_bench_heading(task, metric)] = [_fmt(v, s, 3) for v, s in zip(table[key], table[f"{key}_std"])]
     if table["paper_added_params_m"].notna().any():  # Tables 3 and 4 list no parameters
         out["Paper Added (M)"] = [_fmt_params(v) for v in table["paper_added_params_m"]]
-    out["Paper Avg PPL"] = [_fmt(v) for v in table["paper_avg_ppl"]]
+    notes = table["paper_note"] if "paper_note" in table else pd.Series([""] * len(table))
+    out["Paper Avg PPL"] = [
+        "diverged" if note == "diverged" else _fmt(v) for v, note in zip(table["paper_avg_ppl"], notes)
+    ]
     out["Paper Δ"] = [_fmt_delta(v, math.nan, math.nan) for v in table["paper_delta"]]
     for column in columns:
         _, heading, digits = PROBE_COLUMNS[column]
         if column in PAPER_PROBE_COLUMNS and table[f"paper_{column}"].notna().any():
             out[f"Paper {heading}"] = [_fmt(v, digits=digits) for v in table[f"paper_{column}"]]
-    is_base = table["id"] == baseline_id
+    references = table["compare_to"] if "compare_to" in table else pd.Series([baseline_id] * len(table))
+    if references.nunique() > 1:
+        number = dict(zip(table["id"], table["row"]))
+        out.insert(2, "vs #", [number[r] for r in references])
+    is_base = table["id"] == references
     out.loc[is_base, "Δ Avg PPL"] = "reference"
     out.loc[is_base & table["paper_delta"].notna(), "Paper Δ"] = "reference"
     out["Note"] = [s if s not in ("ok",) else "" for s in table["status"]]
+    if notes.astype(bool).any():
+        out["Paper note"] = list(notes)
     return out
 
 
@@ -391,19 +417,21 @@ def write_tables(
 
 
 def params_table(grid: Grid, scale: str, rows: list[str] | None = None) -> pd.DataFrame:
-    """Total and added parameters of each row (default all), on the meta device, beside the paper's."""
+    """Total, active and added parameters of each row (default all), on the meta device, beside
+    the paper's added parameters (Table 1's column)."""
     paper = paper_table(grid.paper_table)
-    baseline_total = parameter_count(grid.baseline_config(scale).model)
+    reference_total = _reference_totals(grid, scale)
     lines = [
         {
             "#": number,
             "Method": row.label,
-            "Total (M)": _fmt(total / 1e6, digits=1),
-            "Added (M)": _fmt_params((total - baseline_total) / 1e6),
+            "Total (M)": _fmt(total / 1e6, digits=2),
+            "Active (M)": _fmt(active / 1e6, digits=2),
+            "Added (M)": _fmt_params((total - reference_total[grid.reference(row).id]) / 1e6),
             "Paper Added (M)": _fmt_params(_paper_value(paper, row, "added_params_m")),
             "Note": cell.unsupported or "",
         }
-        for number, row, cell, total in _row_parameters(grid, scale, rows)
+        for number, row, cell, total, active in _row_parameters(grid, scale, rows)
     ]
     return pd.DataFrame(lines)
 

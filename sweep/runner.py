@@ -111,7 +111,7 @@ def train_cell(
     cell: Cell,
     tracker: Tracker,
     run_id: str,
-    baseline_params: int,
+    reference_params: int,
     progress: ProgressPrinter,
     cache_root: Path | None,
     checkpoints: Path,
@@ -121,7 +121,9 @@ def train_cell(
 ) -> dict[str, float]:
     """Train one cell into MLflow run ``run_id``, probe it, and return its final metrics.
 
-    Logs ``params/total`` and ``params/added`` (against the grid's baseline row at this scale),
+    Logs ``params/total``, ``params/active`` (what one token uses: MoE experts not chosen
+    excluded; the total for a dense model) and ``params/added`` (total against the row's
+    reference, :meth:`Grid.reference`, at this scale),
     ``stability/loss_spikes`` with a ``stability.json`` artifact (the spike steps), and the
     probes of ``experiments.probes`` (metrics at the last step, ``probes/`` artifacts) beside
     what :class:`LMModule` logs during training. The training state is checkpointed every
@@ -187,8 +189,9 @@ def train_cell(
         trainer.validate(module, datamodule=datamodule, verbose=False)
     final = dict(module.last_val)
     final["params/total"] = module.n_params
-    final["params/added"] = module.n_params - baseline_params
-    tracker.log_metrics(run_id, {k: final[k] for k in ("params/total", "params/added")})
+    final["params/active"] = module.n_active_params
+    final["params/added"] = module.n_params - reference_params
+    tracker.log_metrics(run_id, {k: final[k] for k in ("params/total", "params/active", "params/added")})
     trainer.save_checkpoint(checkpoints / FINAL_CHECKPOINT, weights_only=True)
     tracker.client.set_tag(run_id, "checkpoint", str(checkpoints / FINAL_CHECKPOINT))
     module.to(trainer.strategy.root_device)  # Lightning's teardown moved it to the CPU
@@ -211,7 +214,6 @@ class SweepContext:
     grid: Grid
     tracker: Tracker
     results_dir: Path
-    baseline_params: int
     cache_root: Path | None
     stop: StopRequest
     out: Callable[[str], None] = print
@@ -241,8 +243,7 @@ def prepare_sweep(
     for data_cfg in {c.config.data for c in cells if not c.unsupported}:
         build_corpus(data_cfg, cache_root, log=out)
     tracker = Tracker(uri, experiment_name(grid.name, scale), results_dir / "mlartifacts")
-    baseline_params = parameter_count(grid.baseline_config(scale).model)
-    return SweepContext(grid, tracker, results_dir, baseline_params, cache_root, stop or StopRequest(), out)
+    return SweepContext(grid, tracker, results_dir, cache_root, stop or StopRequest(), out)
 
 
 def run_cell(cell: Cell, ctx: SweepContext, prefix: str, clock: SweepClock, force: bool = False) -> Outcome:
@@ -303,7 +304,7 @@ def run_cell(cell: Cell, ctx: SweepContext, prefix: str, clock: SweepClock, forc
             cell,
             tracker,
             run_id,
-            ctx.baseline_params,
+            parameter_count(ctx.grid.resolve(cell.scale, ctx.grid.reference(cell.row), 0).model),
             ProgressPrinter(prefix, clock, out),
             ctx.cache_root,
             checkpoints,

@@ -1,4 +1,4 @@
-"""Shared fixtures: the micro sweep (two rows, a few steps, real corpus) that several test files read."""
+"""Shared fixtures: the micro sweep (three rows, a few steps, real corpus) that several test files read."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ scales: {tiny: {}}
 rows:
   - {id: baseline, label: "Baseline", paper_row: 1}
   - {id: sdpa_elementwise, label: "SDPA elementwise (G1)", paper_row: 5, model: {gate: {position: sdpa}}}
-  - {id: add_experts, label: "Add 4 experts", paper_row: 4, requires: [moe]}
+  - {id: moe, label: "MoE FFN, 4 experts top-2", model: {moe: {n_experts: 4, top_k: 2, expert_dim: 16}}}
 """
 
 #: MICRO with 40 steps, a checkpoint every 5 and a validation every 10: long enough to stop midway.

@@ -232,7 +232,7 @@ def test_make_eval_scores_finished_runs_without_retraining(
 
     assert main(["eval", "--grid", str(scored), "--results", str(results)]) == 0
     assert (
-        "benchmarks (offline_mmlu_dev, offline_humaneval): 2 runs scored, 0 failed" in capsys.readouterr().out
+        "benchmarks (offline_mmlu_dev, offline_humaneval): 3 runs scored, 0 failed" in capsys.readouterr().out
     )
     after = runs()
     assert {r.info.run_id for r in after} == before  # nothing trained again

@@ -7,8 +7,14 @@ import dataclasses
 import pytest
 import torch
 
-from experiments.config import ConfigError, GateConfig, ModelConfig
-from experiments.model import GatedLM, count_parameters, parameter_count
+from experiments.config import ConfigError, GateConfig, ModelConfig, MoEConfig
+from experiments.model import (
+    GatedLM,
+    count_active_parameters,
+    count_parameters,
+    parameter_count,
+    parameter_counts,
+)
 
 # A small shape with GQA (q=4, k=2) and head_dim != d_model / n_heads.
 SMALL = ModelConfig(
@@ -232,3 +238,75 @@ def test_head_shared_score_is_the_mean_over_heads() -> None:
     logits = x @ block.attn.in_proj.weight[-Q * DK :].T  # the gate's columns of the fused projection
     expected = torch.sigmoid(logits.view(2, 7, Q, DK)).mean(dim=2, keepdim=True)
     torch.testing.assert_close(recorded, expected, rtol=0, atol=1e-12)
+
+
+MOE = MoEConfig(n_experts=8, top_k=2, expert_dim=6)
+
+
+def test_active_parameters_match_qwens_published_counts() -> None:
+    """Qwen3-30B-A3B is the 15A2B shape with 48 layers; Qwen publishes 30.5B total, 3.3B
+    activated. The same counter gives Table 7's 15A2B (24 layers) 15.58B / 1.99B."""
+    qwen3 = ModelConfig(
+        vocab_size=151936, d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
+        max_seq_len=4096, moe=MoEConfig(n_experts=128, top_k=8, expert_dim=768),
+    )  # fmt: skip
+    total, active = parameter_counts(qwen3)
+    assert round(total / 1e9, 1) == 30.5
+    assert 3.3e9 <= active < 3.4e9  # 3.35B, published as "3.3B"
+    half = parameter_counts(dataclasses.replace(qwen3, n_layers=24))
+    assert (round(half[0] / 1e9, 2), round(half[1] / 1e9, 2)) == (15.58, 1.99)
+
+
+def test_dense_active_equals_total_and_moe_counts_only_chosen_experts() -> None:
+    assert parameter_counts(SMALL) == (parameter_count(SMALL), parameter_count(SMALL))
+    model = build(None, moe=MOE)
+    total, active = count_parameters(model), count_active_parameters(model)
+    assert total - active == L * (8 - 2) * 3 * D * 6
+    router = D * 8
+    expected_ffn = router + 8 * 3 * D * 6
+    assert total - count_parameters(build(None)) == L * (expected_ffn - 3 * D * 40)  # MoE for SwiGLU
+    assert parameter_counts(model.cfg) == (total, active)
+
+
+def test_moe_language_model_trains_every_routed_expert() -> None:
+    model = build(None, moe=MOE).train()
+    tokens = torch.randint(0, 64, (4, 12))
+    logits = model(tokens)
+    assert logits.shape == (4, 12, 64)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    for block in model.blocks:
+        used = block.ffn.stats.load > 0
+        grads = block.ffn.w_gate_up.grad.flatten(1).abs().sum(-1)
+        assert (grads[used] > 0).all() and (grads[~used] == 0).all()
+        assert block.ffn.router.weight.grad.abs().sum() > 0  # through the renormalised weights
+
+
+def test_sandwich_norm_normalises_each_sublayer_output() -> None:
+    """Table 2 row 7: ``x + norm(attn(norm(x)))``; two RMSNorm gains more per layer."""
+    plain, sandwich = build(None, seed=3), build(None, seed=3, sandwich_norm=True)
+    assert count_parameters(sandwich) - count_parameters(plain) == L * 2 * D
+    block = sandwich.blocks[0]
+    x = torch.randn(2, 5, D, dtype=torch.float64)
+    with torch.no_grad():
+        block.attn_post_norm.weight.fill_(0.5)
+        after_attn = x + block.attn_post_norm(block.attn(block.attn_norm(x), sandwich.rope))
+        expected = after_attn + block.ffn_post_norm(block.ffn(block.ffn_norm(after_attn)))
+        attn_out = block.attn(block.attn_norm(x), sandwich.rope)
+        rms = attn_out.pow(2).mean(-1, keepdim=True).add(SMALL.norm_eps).rsqrt()
+        assert torch.allclose(after_attn - x, 0.5 * attn_out * rms)  # RMSNorm by hand, gain 0.5
+        assert torch.allclose(block(x, sandwich.rope), expected)
+    assert not isinstance(plain.blocks[0].attn_post_norm, torch.nn.RMSNorm)
+
+
+def test_match_params_is_rejected_for_a_moe_model() -> None:
+    with pytest.raises(ConfigError, match="match_params"):
+        dataclasses.replace(SMALL, gate=GateConfig(), match_params=True, moe=MOE)
+
+
+def test_the_benchmarks_dense_twin_has_the_moe_models_active_parameters() -> None:
+    from sweep.bench import dense_twin
+
+    moe = dataclasses.replace(SMALL, moe=MOE)
+    twin = dense_twin(moe)
+    assert twin.moe is None and twin.ffn_dim == 2 * 6
+    assert parameter_counts(moe)[1] - parameter_count(twin) == L * D * 8  # the router alone

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from pathlib import Path
 
+import lightning.pytorch as pl
+import pytest
 import torch
 import torch.nn.functional as F
 
-from experiments.moe import MoEFFN, balancing_losses, route
+from experiments.config import MoEConfig
+from experiments.moe import (
+    MoEFFN,
+    RouterStats,
+    auxiliary_loss,
+    balancing_losses,
+    mean_load_cv,
+    route,
+    router_stats,
+)
 
 
 def naive(moe: MoEFFN, x: torch.Tensor) -> torch.Tensor:
@@ -22,11 +35,45 @@ def naive(moe: MoEFFN, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def test_moe_equals_the_per_token_reference() -> None:
+@pytest.mark.parametrize("grouped_mm", [True, False], ids=["grouped_mm", "loop_over_experts"])
+def test_moe_equals_the_per_token_reference(grouped_mm: bool) -> None:
     torch.manual_seed(0)
     moe = MoEFFN(d_model=16, n_experts=8, top_k=3, expert_dim=12)
+    moe.use_grouped_mm = grouped_mm
     x = torch.randn(2, 5, 16)
     assert torch.allclose(moe(x), naive(moe, x.reshape(-1, 16)).reshape(2, 5, 16), atol=1e-5)
+    assert moe.use_grouped_mm == grouped_mm  # this build runs grouped_mm on the CPU: no fallback
+
+
+def test_grouped_mm_and_the_loop_give_the_same_gradients() -> None:
+    """Including experts that receive no token (8 tokens x top-1 over 16 experts)."""
+    torch.manual_seed(2)
+    grads = []
+    for grouped_mm in (True, False):
+        torch.manual_seed(2)
+        moe = MoEFFN(d_model=8, n_experts=16, top_k=1, expert_dim=4)
+        moe.use_grouped_mm = grouped_mm
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(3))
+        (moe(x) * torch.linspace(-1, 1, 8)[:, None]).sum().backward()
+        grads.append([p.grad.clone() for p in (moe.w_gate_up, moe.w_down, moe.router.weight)])
+        assert (moe.stats.load == 0).any()
+        assert moe.use_grouped_mm == grouped_mm  # no silent fallback: two different paths compared
+    for grouped, looped in zip(*grads):
+        assert torch.allclose(grouped, looped, atol=1e-6)
+
+
+def test_auxiliary_loss_weights_layer_means_and_undoes_ddp_averaging() -> None:
+    stats = [
+        RouterStats(torch.tensor(1.2), torch.tensor(20.0), torch.ones(4)),
+        RouterStats(torch.tensor(1.0), torch.tensor(10.0), torch.tensor([2.0, 0.0, 1.0, 1.0])),
+    ]
+    cfg = MoEConfig(n_experts=4, top_k=1, expert_dim=8, lb_coef=0.01, z_coef=0.001)
+    total, lb, z = auxiliary_loss(stats, cfg, world_size=4)
+    assert (lb.item(), z.item()) == (pytest.approx(1.1), pytest.approx(15.0))
+    assert total.item() == pytest.approx(0.01 * 4 * 1.1 + 0.001 * 15.0)
+    assert float(mean_load_cv(stats)) == pytest.approx((0.0 + math.sqrt(0.5)) / 2)  # std 0.707 / mean 1
+    per_rank = dataclasses.replace(cfg, global_batch=False)  # DDP's average is already the gradient
+    assert auxiliary_loss(stats, per_rank, world_size=4)[0].item() == pytest.approx(0.01 * 1.1 + 0.001 * 15.0)
 
 
 def test_top_k_picks_the_k_most_probable_experts() -> None:
@@ -50,7 +97,9 @@ def test_losses_equal_hand_computed_values() -> None:
     z = sum(math.log(sum(math.exp(v) for v in row)) ** 2 for row in logits.tolist()) / 4
     assert math.isclose(stats.z_loss.item(), z, rel_tol=1e-6)
     assert stats.load.tolist() == [3.0, 1.0, 0.0]
-    assert math.isclose(stats.load_cv, float(torch.tensor([3.0, 1.0, 0.0]).std(unbiased=False) / (4 / 3)))
+    assert math.isclose(
+        float(stats.load_cv), float(torch.tensor([3.0, 1.0, 0.0]).std(unbiased=False) / (4 / 3))
+    )
 
 
 def test_global_batch_balancing_differs_from_per_micro_batch() -> None:
@@ -125,3 +174,79 @@ def test_global_batch_balancing_across_two_gloo_processes() -> None:
     local = torch.tensor(RANK_LOGITS[0])
     alone = balancing_losses(local, *route(local, 1)[:2], global_batch=False).lb_loss.item()
     assert alone > results[0][0]  # rank 0 alone looks far less balanced than the global batch
+
+
+class _RouterModule(pl.LightningModule):
+    """One MoE layer trained by Lightning on fixed per-rank batches; only the balancing loss."""
+
+    def __init__(self, global_batch: bool, out_dir: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.moe = MoEFFN(d_model=2, n_experts=2, top_k=1, expert_dim=2, global_batch=global_batch)
+        with torch.no_grad():
+            self.moe.router.weight.copy_(torch.eye(2))
+        self.cfg = MoEConfig(
+            n_experts=2, top_k=1, expert_dim=2, lb_coef=1.0, z_coef=0.0, global_batch=global_batch
+        )
+        self.out_dir = out_dir
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        x = torch.tensor(RANK_LOGITS[self.global_rank]) / 4  # the router is the identity
+        out = self.moe(x)
+        total, lb, _ = auxiliary_loss(router_stats(self), self.cfg, self.trainer.world_size)
+        self.lb = lb.item()
+        return total + 0.0 * out.sum()  # every parameter in the graph, as DDP's reducer expects
+
+    def on_after_backward(self) -> None:  # DDP has all-reduced (averaged) the gradients here
+        grad = self.moe.router.weight.grad.tolist()
+        torch.save({"lb": self.lb, "grad": grad}, f"{self.out_dir}/rank{self.global_rank}.pt")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.zeros(2, 1), batch_size=1)
+
+
+def _lightning_ddp(global_batch: bool, out_dir: Path) -> list[dict]:
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(_RouterModule(global_batch, str(out_dir)))
+    return [torch.load(out_dir / f"rank{r}.pt") for r in (0, 1)]
+
+
+@pytest.mark.slow
+def test_global_batch_balancing_under_lightning_ddp_on_gloo(tmp_path: Path) -> None:
+    """Lightning's DDP, two CPU processes (gloo). With global-batch balancing both ranks see the
+    global batch's loss and, after DDP's gradient averaging and ``auxiliary_loss``'s world-size
+    factor, the router gets exactly the gradient of that loss on the whole batch in one process.
+    Per-rank balancing gives each rank its own, larger, loss and a different gradient."""
+    whole = torch.tensor(RANK_LOGITS[0] + RANK_LOGITS[1]) / 4
+    ref = MoEFFN(d_model=2, n_experts=2, top_k=1, expert_dim=2, global_batch=False)
+    with torch.no_grad():
+        ref.router.weight.copy_(torch.eye(2))
+    ref(whole)
+    ref.stats.lb_loss.backward()
+
+    (tmp_path / "global").mkdir()
+    (tmp_path / "local").mkdir()
+    global_ranks = _lightning_ddp(True, tmp_path / "global")
+    local_ranks = _lightning_ddp(False, tmp_path / "local")
+    for rank in global_ranks:
+        assert rank["lb"] == pytest.approx(ref.stats.lb_loss.item())
+        assert torch.allclose(torch.tensor(rank["grad"]), ref.router.weight.grad, atol=1e-6)
+    local_losses, local_grads = [r["lb"] for r in local_ranks], []
+    for rank, batch in enumerate(RANK_LOGITS):
+        alone = MoEFFN(d_model=2, n_experts=2, top_k=1, expert_dim=2, global_batch=False)
+        with torch.no_grad():
+            alone.router.weight.copy_(torch.eye(2))
+        alone(torch.tensor(batch) / 4)
+        alone.stats.lb_loss.backward()
+        assert local_losses[rank] == pytest.approx(alone.stats.lb_loss.item())
+        local_grads.append(alone.router.weight.grad)
+    assert local_losses[0] > global_ranks[0]["lb"]  # rank 0 alone: everything on one expert
+    for rank in local_ranks:  # per-rank balancing: DDP's average of each rank's own gradient, no factor
+        assert torch.allclose(torch.tensor(rank["grad"]), (local_grads[0] + local_grads[1]) / 2, atol=1e-6)
+    assert not torch.allclose(torch.tensor(local_ranks[0]["grad"]), ref.router.weight.grad, atol=1e-4)

@@ -43,8 +43,8 @@ def test_three_workers_train_every_cell_exactly_once(
     args = ["sweep", "--grid", str(grid), "--results", str(results), "--seeds", "3", "--workers", "3"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "6 queued for 3 workers" in out
-    assert "finished 6, resumed 0, skipped 0, unsupported 3, diverged 0, failed 0" in out
+    assert "9 queued for 3 workers" in out
+    assert "finished 9, resumed 0, skipped 0, unsupported 0, diverged 0, failed 0" in out
 
     runs = all_cell_runs(results)
     cells = load_grid(grid).cells("tiny", seeds=[0, 1, 2])
@@ -60,8 +60,8 @@ def test_three_workers_train_every_cell_exactly_once(
         assert t.value == pytest.approx(run.data.metrics["val/ppl/avg"])
 
     assert main(args) == 0  # nothing left: no worker starts, no trial is added
-    assert "finished 0, resumed 0, skipped 6, unsupported 3" in capsys.readouterr().out
-    assert len(queue_trials(results)) == 6 and len(all_cell_runs(results)) == 6
+    assert "finished 0, resumed 0, skipped 9, unsupported 0" in capsys.readouterr().out
+    assert len(queue_trials(results)) == 9 and len(all_cell_runs(results)) == 9
 
 
 @dataclass
@@ -121,7 +121,7 @@ def test_a_dead_workers_cell_is_taken_over_and_resumed(repo_cache: None, tmp_pat
     assert f"resuming run {folder.name} (running) from step" in out  # taken over after 3 heartbeats
 
     runs = all_cell_runs(results)
-    assert len(runs) == 2 and {r.data.tags["status"] for r in runs} == {"finished"}
+    assert len(runs) == 3 and {r.data.tags["status"] for r in runs} == {"finished"}
     (resumed,) = [r for r in runs if r.info.run_id == folder.name]
     assert resumed.data.tags["resumed"] == "1" and resumed.data.tags["worker"].endswith(f":{survivor.pid}")
     client = MlflowClient(tracking_uri=f"sqlite:///{results / 'mlflow.db'}")

@@ -74,7 +74,7 @@ def test_a_nan_loss_marks_the_cell_diverged_keeps_its_checkpoint_and_the_sweep_g
     assert main(args) == 0  # a diverged cell is a result, not a failure
     out = capsys.readouterr().out
     assert "sdpa_elementwise s0 DIVERGED: training loss nan at step 5 is not finite" in out
-    assert "finished 1, resumed 0, skipped 0, unsupported 1, diverged 1, failed 0" in out
+    assert "finished 2, resumed 0, skipped 0, unsupported 0, diverged 1, failed 0" in out
 
     client = MlflowClient(tracking_uri=f"sqlite:///{results / 'mlflow.db'}")
     exp = client.get_experiment_by_name("micro-tiny")
@@ -94,7 +94,7 @@ def test_a_nan_loss_marks_the_cell_diverged_keeps_its_checkpoint_and_the_sweep_g
     assert "| diverged " in (results / "micro.md").read_text()
 
     assert main(args) == 0  # a rerun keeps the diverged result instead of retraining it
-    assert "0 to train, 2 finished earlier" in capsys.readouterr().out
+    assert "0 to train, 3 finished earlier" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("key", "value"), [("spike_window", 1), ("diverge_factor", 1.0)])

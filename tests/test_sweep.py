@@ -1,4 +1,4 @@
-"""End to end: a micro sweep (two rows, a few steps, real corpus) into a temporary store, then its table."""
+"""End to end: a micro sweep (three rows, a few steps, real corpus) into a temporary store, then its table."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from mlflow import MlflowClient
 from experiments.config import RunConfig, from_dict
 from sweep.cli import main
 from sweep.grid import load_grid
-from sweep.report import build_table, paired_delta
+from sweep.report import build_table, display_table, paired_delta
 
 
 def _runs(results: Path) -> tuple[MlflowClient, list]:
@@ -28,10 +28,7 @@ def _runs(results: Path) -> tuple[MlflowClient, list]:
 def test_micro_sweep_tracks_every_cell(micro: dict) -> None:
     assert micro["code"] == 0
     client, runs = _runs(micro["results"])
-    assert sorted(r.data.tags["row"] for r in runs) == [
-        "baseline",
-        "sdpa_elementwise",
-    ]  # add_experts not trained
+    assert sorted(r.data.tags["row"] for r in runs) == ["baseline", "moe", "sdpa_elementwise"]
     grid = load_grid(micro["grid"])
     for run in runs:
         tags, metrics = run.data.tags, run.data.metrics
@@ -51,23 +48,37 @@ def test_micro_sweep_tracks_every_cell(micro: dict) -> None:
         assert from_dict(RunConfig, yaml.safe_load(artifact.read_text())) == cell.config
     gated = next(r for r in runs if r.data.tags["row"] == "sdpa_elementwise")
     assert gated.data.metrics["params/added"] == 2 * 32 * 4 * 8  # L * d * q * d_k
+    assert gated.data.metrics["params/active"] == gated.data.metrics["params/total"]  # dense
+    assert "train/lb_loss" not in gated.data.metrics
+    moe = next(r for r in runs if r.data.tags["row"] == "moe")
+    m = moe.data.metrics
+    assert m["params/total"] - m["params/active"] == 2 * (4 - 2) * 3 * 32 * 16  # unchosen experts
+    for key in ("train/lb_loss", "train/z_loss", "moe/load_cv"):
+        assert len(client.get_metric_history(moe.info.run_id, key)) == 8, key  # every step
+    assert 0 < m["train/lb_loss"] < 4  # E * sum f P: 1 when balanced, at most E = 4
+    assert m["train/z_loss"] > 0 and m["moe/load_cv"] >= 0
 
 
 @pytest.mark.slow
 def test_micro_table_matches_the_store(micro: dict) -> None:
     table = pd.read_csv(micro["results"] / "micro.csv")
     assert {"row", "label", "added_params_m", "avg_ppl"} <= set(table.columns)
-    assert list(table["id"]) == ["baseline", "sdpa_elementwise", "add_experts"]
+    assert list(table["id"]) == ["baseline", "sdpa_elementwise", "moe"]
     _, runs = _runs(micro["results"])
     by_row = {r.data.tags["row"]: r.data.metrics["val/ppl/avg"] for r in runs}
     assert table.loc[0, "avg_ppl"] == pytest.approx(by_row["baseline"], rel=1e-5)
     assert table.loc[1, "delta_avg_ppl"] == pytest.approx(
         by_row["sdpa_elementwise"] - by_row["baseline"], rel=1e-4
     )
-    assert math.isnan(table.loc[2, "avg_ppl"])  # missing, never zero
+    assert table.loc[2, "avg_ppl"] == pytest.approx(by_row["moe"], rel=1e-5)
+    assert math.isnan(table.loc[2, "paper_avg_ppl"])  # no paper row: missing, never zero
     assert table.loc[1, "paper_avg_ppl"] == 5.761
+    # 2 layers x (4 - 2) unused experts x (3 x 32 x 16) weights: what a token does not use
+    assert (table.loc[2, "total_params_m"] - table.loc[2, "active_params_m"]) * 1e6 == pytest.approx(
+        2 * 2 * 3 * 32 * 16
+    )
     markdown = (micro["results"] / "micro.md").read_text()
-    assert "| 4   | Add 4 experts" in markdown and "needs the MoE base (not built yet)" in markdown
+    assert "Active Param (M)" in markdown and "| 3   | MoE FFN, 4 experts top-2" in markdown
     assert markdown.count("| reference ") == 2  # the baseline's Δ and paper Δ
 
 
@@ -78,10 +89,10 @@ def test_second_sweep_trains_nothing_and_writes_the_same_table(
     before = (micro["results"] / "micro.csv").read_text()
     assert main(["sweep", "--grid", str(micro["grid"]), "--results", str(micro["results"])]) == 0
     out = capsys.readouterr().out
-    assert "0 to train, 2 finished earlier, 1 unsupported" in out
-    assert "finished 0, resumed 0, skipped 2, unsupported 1, diverged 0, failed 0" in out
+    assert "0 to train, 3 finished earlier, 0 unsupported" in out
+    assert "finished 0, resumed 0, skipped 3, unsupported 0, diverged 0, failed 0" in out
     _, runs = _runs(micro["results"])
-    assert len(runs) == 2
+    assert len(runs) == 3
     assert (micro["results"] / "micro.csv").read_text() == before
 
 
@@ -117,7 +128,7 @@ def test_table_statistics_over_seeds(tmp_path: Path) -> None:
     )
     assert table.loc["sdpa_elementwise", "n_seeds"] == 2
     assert table.loc["sdpa_elementwise", "delta_avg_ppl"] == pytest.approx(-0.5)  # paired seeds 0 and 1 only
-    assert table.loc["add_experts", "status"].startswith("needs the MoE base")
+    assert table.loc["moe", "status"] == "not run"
     assert table.loc["sdpa_elementwise", "added_params_m"] == pytest.approx(2 * 32 * 4 * 8 / 1e6)
 
 
@@ -142,7 +153,7 @@ def test_runs_of_an_edited_grid_do_not_enter_the_table(micro: dict, tmp_path: Pa
     edited.write_text(MICRO.replace("max_lr: 2e-3", "max_lr: 3e-3"))
     assert main(["tables", "--grid", str(edited), "--results", str(micro["results"])]) == 0
     table = pd.read_csv(micro["results"] / "micro.csv")
-    assert list(table["status"]) == ["not run", "not run", "needs the MoE base (not built yet)"]
+    assert list(table["status"]) == ["not run"] * 3
     assert table["avg_ppl"].isna().all()
     main(["tables", "--grid", str(micro["grid"]), "--results", str(micro["results"])])  # restore
 
@@ -207,3 +218,49 @@ def test_tables_write_the_figures_and_a_report_run_holds_them(micro: dict) -> No
     assert math.isnan(table.loc["baseline", "gate_score"])  # no gate, no score: missing, not zero
     for column in ("m_act", "f_attn", "loss_spikes"):
         assert table[column].iloc[:2].notna().all()
+
+
+def test_first_token_figure_draws_rows_of_different_depths() -> None:
+    """Table 2 mixes 28- and 48-layer models (7 and 12 at tiny): each row's curve has its own length."""
+    from sweep.figures import first_token_figure
+
+    def run(label: str, layers: int) -> dict:
+        out = {"label": label, "gate": "none", "status": "finished"}
+        return out | {f"sink/first_token_attn/layer_{i:02d}": 0.01 * (i + 1) for i in range(layers)}
+
+    fig = first_token_figure(pd.DataFrame([run("shallow", 7), run("deep", 12)]))
+    lines = fig.axes[0].get_lines()
+    assert [len(line.get_xdata()) for line in lines] == [7, 12]
+    assert list(lines[1].get_ydata()) == pytest.approx([0.01 * (i + 1) for i in range(12)])
+
+
+def test_rows_are_measured_against_their_compare_to_row(tmp_path: Path) -> None:
+    """Table 2's reading: a second setting with its own baseline; Δ, added params and "vs #"."""
+    grid_file = tmp_path / "g.yaml"
+    grid_file.write_text(
+        MICRO.replace("paper_table: table1_moe", "paper_table: table2_dense").replace(
+            "rows:\n",
+            "rows:\n"
+            "  - {id: deep, paper_row: 5, compare_to: deep, model: {n_layers: x2}}\n"
+            "  - {id: deep_gated, paper_row: 8, compare_to: deep,\n"
+            "     model: {n_layers: x2, gate: {position: sdpa}}}\n",
+        )
+    )
+    grid = load_grid(grid_file)
+    runs = pd.DataFrame(
+        [
+            {"row": r, "seed": 0, "val/ppl/avg": v}
+            for r, v in [("baseline", 10.0), ("deep", 20.0), ("deep_gated", 17.0)]
+        ]
+    )
+    table = build_table(grid, "tiny", runs).set_index("id")
+    assert table.loc["deep", "delta_avg_ppl"] == 0.0  # its own reference, not the 2-layer baseline
+    assert table.loc["deep_gated", "delta_avg_ppl"] == pytest.approx(-3.0)
+    assert table.loc["deep_gated", "added_params_m"] == pytest.approx(4 * 32 * 4 * 8 / 1e6)  # 4 layers of G1
+    assert table.loc["deep", "paper_delta"] == 0.0
+    assert table.loc["deep_gated", "paper_delta"] == pytest.approx(7.288 - 7.421)  # paper row 8 - row 5
+    shown = display_table(table.reset_index(), grid.baseline_row).set_index("Method")
+    assert shown.loc["deep", "vs #"] == 5 and shown.loc["deep_gated", "vs #"] == 5
+    assert shown.loc["Baseline", "vs #"] == 1
+    assert list(shown.loc[["Baseline", "deep"], "Δ Avg PPL"]) == ["reference", "reference"]
+    assert shown.loc["deep_gated", "Δ Avg PPL"] == "-3.000"
