@@ -233,6 +233,10 @@ class Grid:
         rid = row.compare_to or self.baseline_row
         return next(r for r in self.rows if r.id == rid)
 
+    def reference_config(self, scale: str, row: Row) -> RunConfig:
+        """The config (seed 0) of ``row``'s reference at ``scale``: what ``params/added`` subtracts."""
+        return self.resolve(scale, self.reference(row), 0)
+
 
 def run_key(cfg: RunConfig) -> str:
     """16 hex chars of sha256 over the canonical JSON of the resolved config (seed included)

@@ -178,8 +178,8 @@ def _paper_note(paper: pd.DataFrame | None, row: Row) -> str:
 
 def _reference_totals(grid: Grid, scale: str) -> dict[str, int]:
     """Total parameters of every row some row is compared with, by row id."""
-    refs = {grid.reference(r).id: grid.reference(r) for r in grid.rows}
-    return {rid: parameter_count(grid.resolve(scale, row, 0).model) for rid, row in refs.items()}
+    firsts = {grid.reference(r).id: r for r in grid.rows}  # one row measured against each reference
+    return {rid: parameter_count(grid.reference_config(scale, row).model) for rid, row in firsts.items()}
 
 
 def _row_parameters(
@@ -308,15 +308,14 @@ def _fmt_delta(d: float, lo: float, hi: float) -> str:
 
 def display_table(
     table: pd.DataFrame,
-    baseline_id: str,
     columns: tuple[str, ...] = (),
     bench: list[tuple[str, str]] | None = None,
 ) -> pd.DataFrame:
-    """Human-readable strings for Markdown and LaTeX: missing cells are "—", never 0; the
-    Δ columns of a row measured against itself (``baseline_id``, or ``compare_to`` naming the
-    row) read "reference", and a "vs #" column names each row's reference when they differ; ``columns``
-    names the probe columns to show (keys of :data:`PROBE_COLUMNS`); ``bench`` the benchmark
-    columns (:func:`bench_columns`), headed with their chance level."""
+    """Human-readable strings for Markdown and LaTeX: missing cells are "—", never 0; the Δ columns
+    of a row measured against itself (its ``compare_to`` column names it) read "reference", and a
+    "vs #" column names each row's reference when they differ; ``columns`` names the probe columns
+    to show (keys of :data:`PROBE_COLUMNS`); ``bench`` the benchmark columns
+    (:func:`bench_columns`), headed with their chance level."""
     domains = [
         c.removeprefix("ppl_") for c in table.columns if c.startswith("ppl_") and not c.endswith("_std")
     ]
@@ -342,7 +341,7 @@ def display_table(
         out[_bench_heading(task, metric)] = [_fmt(v, s, 3) for v, s in zip(table[key], table[f"{key}_std"])]
     if table["paper_added_params_m"].notna().any():  # Tables 3 and 4 list no parameters
         out["Paper Added (M)"] = [_fmt_params(v) for v in table["paper_added_params_m"]]
-    notes = table["paper_note"] if "paper_note" in table else pd.Series([""] * len(table))
+    notes = table["paper_note"]
     out["Paper Avg PPL"] = [
         "diverged" if note == "diverged" else _fmt(v) for v, note in zip(table["paper_avg_ppl"], notes)
     ]
@@ -351,7 +350,7 @@ def display_table(
         _, heading, digits = PROBE_COLUMNS[column]
         if column in PAPER_PROBE_COLUMNS and table[f"paper_{column}"].notna().any():
             out[f"Paper {heading}"] = [_fmt(v, digits=digits) for v in table[f"paper_{column}"]]
-    references = table["compare_to"] if "compare_to" in table else pd.Series([baseline_id] * len(table))
+    references = table["compare_to"]
     if references.nunique() > 1:
         number = dict(zip(table["id"], table["row"]))
         out.insert(2, "vs #", [number[r] for r in references])
@@ -381,7 +380,7 @@ def write_tables(
     """
     runs = finished_runs(grid, scale, results_dir, seeds)
     table = build_table(grid, scale, runs)
-    shown = display_table(table, grid.baseline_row, grid.columns, bench_columns(grid))
+    shown = display_table(table, grid.columns, bench_columns(grid))
     paths = table_paths(grid, scale, results_dir)
     header = (
         f"# {grid.title}\n\n"

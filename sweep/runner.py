@@ -304,7 +304,7 @@ def run_cell(cell: Cell, ctx: SweepContext, prefix: str, clock: SweepClock, forc
             cell,
             tracker,
             run_id,
-            parameter_count(ctx.grid.resolve(cell.scale, ctx.grid.reference(cell.row), 0).model),
+            parameter_count(ctx.grid.reference_config(cell.scale, cell.row).model),
             ProgressPrinter(prefix, clock, out),
             ctx.cache_root,
             checkpoints,

@@ -259,7 +259,7 @@ def test_rows_are_measured_against_their_compare_to_row(tmp_path: Path) -> None:
     assert table.loc["deep_gated", "added_params_m"] == pytest.approx(4 * 32 * 4 * 8 / 1e6)  # 4 layers of G1
     assert table.loc["deep", "paper_delta"] == 0.0
     assert table.loc["deep_gated", "paper_delta"] == pytest.approx(7.288 - 7.421)  # paper row 8 - row 5
-    shown = display_table(table.reset_index(), grid.baseline_row).set_index("Method")
+    shown = display_table(table.reset_index()).set_index("Method")
     assert shown.loc["deep", "vs #"] == 5 and shown.loc["deep_gated", "vs #"] == 5
     assert shown.loc["Baseline", "vs #"] == 1
     assert list(shown.loc[["Baseline", "deep"], "Δ Avg PPL"]) == ["reference", "reference"]
