@@ -27,7 +27,7 @@ PY   := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS := --grid $(GRID) --scale $(SCALE) $(if $(SEEDS),--seeds $(SEEDS)) $(if $(ROWS),--rows $(ROWS)) $(if $(FORCE),--force)
 
-.PHONY: setup sweep eval tables params tune dashboard bench bench-moe ui test lint clean
+.PHONY: setup sweep eval tables params tune dashboard throughput throughput-moe bench bench-moe ui test lint clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -55,12 +55,17 @@ tune: $(STAMP)
 dashboard: $(STAMP)
 	$(VENV)/bin/optuna-dashboard '$(or $(STORAGE),sqlite:///results/optuna.db)' --host 127.0.0.1 --port $(DASHBOARD_PORT)
 
-bench: $(STAMP)
-	$(PY) -m sweep.bench --grid $(GRID) --scale $(SCALE) $(if $(ROWS),--rows $(ROWS))
+# training tokens/s of the baseline against gated rows, measured in one process (sweep/throughput.py)
+throughput: $(STAMP)
+	$(PY) -m sweep.throughput --grid $(GRID) --scale $(SCALE) $(if $(ROWS),--rows $(ROWS))
 
 # tokens/s of the MoE base against a dense model of the same active parameters, same process
-bench-moe: $(STAMP)
-	$(PY) -m sweep.bench --grid grids/table1.yaml --scale $(SCALE) --rows baseline --dense-twin
+throughput-moe: $(STAMP)
+	$(PY) -m sweep.throughput --grid grids/table1.yaml --scale $(SCALE) --rows baseline --dense-twin
+
+# the names of one release ago
+bench: throughput
+bench-moe: throughput-moe
 
 ui: $(STAMP)
 	$(VENV)/bin/mlflow ui --backend-store-uri "$${MLFLOW_TRACKING_URI:-sqlite:///results/mlflow.db}" --host 127.0.0.1 --port $(PORT)

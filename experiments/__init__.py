@@ -1,4 +1,5 @@
-"""The science: model, gates, data and training, usable without the sweep harness."""
+"""The science: model, gates, data and training, usable without the sweep harness.
 
-#: Model bases this code can build; a grid row that ``requires`` another is reported, not trained.
-SUPPORTED_FEATURES = frozenset({"dense", "moe"})
+``experiments.train.Training`` trains one :class:`~experiments.config.RunConfig`; nothing here
+imports ``sweep``.
+"""

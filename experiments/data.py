@@ -36,23 +36,34 @@ class RandomWindows(Dataset):
 
 
 class ResumingSampler(Sampler[int]):
-    """Indices ``start, ..., n - 1`` of an epoch of ``n`` items, with ``len`` the whole epoch.
+    """This process's indices of an epoch of ``n`` items, from item ``start`` on.
 
     A run resumed after ``k`` optimiser steps starts at item ``k * batch_size``: the data
-    position is the trainer's step, so it needs no state of its own. The length stays ``n`` so
-    Lightning's epoch (and its validation interval) is the one the run started with.
+    position is the trainer's step, so it needs no state of its own. The length stays the whole
+    epoch's share so Lightning's epoch (and its validation interval) is the one the run started
+    with. With ``world`` processes, each global batch of ``batch_size`` consecutive items is split
+    into ``world`` contiguous slices and rank ``r`` takes slice ``r``: together the ranks see
+    exactly the batches one process would.
+
+    Raises:
+        ValueError: ``start`` outside the epoch, or ``batch_size`` not divisible by ``world``.
     """
 
-    def __init__(self, n: int, start: int = 0) -> None:
+    def __init__(self, n: int, start: int = 0, rank: int = 0, world: int = 1, batch_size: int = 1) -> None:
         if not 0 <= start <= n:
             raise ValueError(f"start {start} outside an epoch of {n} items")
-        self.n, self.start = n, start
+        if batch_size % world or not 0 <= rank < world:
+            raise ValueError(f"a batch of {batch_size} does not split over {world} ranks (rank {rank})")
+        self.n, self.start, self.rank, self.world, self.batch_size = n, start, rank, world, batch_size
 
     def __len__(self) -> int:
-        return self.n
+        return self.n // self.world
 
     def __iter__(self) -> Iterator[int]:
-        return iter(range(self.start, self.n))
+        if self.world == 1:
+            return iter(range(self.start, self.n))
+        share = self.batch_size // self.world
+        return (i for i in range(self.start, self.n) if (i % self.batch_size) // share == self.rank)
 
 
 class HeldOutWindows(Dataset):
@@ -82,7 +93,8 @@ class CorpusDataModule(pl.LightningDataModule):
 
     Args:
         data: the corpus recipe; built (or found in the cache) in ``prepare_data``.
-        train: batch size, sequence length, steps and held-out token budget.
+        train: the global batch size, sequence length, steps and held-out token budget; each of
+            the trainer's processes loads its share of every global batch.
         seed: seeds the training window offsets.
         cache_root: where corpora are cached (``experiments.corpus.default_cache_root()`` if None).
     """
@@ -111,8 +123,11 @@ class CorpusDataModule(pl.LightningDataModule):
         ds = RandomWindows(self.corpus.tokens("train"), t.seq_len, t.max_steps * t.batch_size, self.seed)
         # A resumed fit has restored the trainer's step before it asks for this loader.
         steps_done = self.trainer.global_step if self.trainer is not None else 0
-        sampler = ResumingSampler(len(ds), steps_done * t.batch_size)
-        return DataLoader(ds, batch_size=t.batch_size, sampler=sampler, num_workers=0, drop_last=True)
+        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
+        sampler = ResumingSampler(len(ds), steps_done * t.batch_size, rank, world, t.batch_size)
+        return DataLoader(
+            ds, batch_size=t.batch_size // world, sampler=sampler, num_workers=0, drop_last=True
+        )
 
     def val_dataloader(self) -> list[DataLoader]:
         t = self.train_cfg

@@ -24,40 +24,14 @@ def _ns_sigmoid(z: torch.Tensor) -> torch.Tensor:
     return 0.5 + 0.5 * torch.sigmoid(z)
 
 
+#: The gate activations by name; ``experiments.config.Activation`` lists the same names (a test
+#: checks that the two agree).
 ACTIVATIONS = {
     "sigmoid": torch.sigmoid,
     "silu": F.silu,
     "ns_sigmoid": _ns_sigmoid,
     "identity": lambda z: z,
 }
-
-
-def gate_heads_and_dim(cfg: GateConfig, model: ModelConfig) -> tuple[int, int]:
-    """(H, D): the heads the gate acts on and the channels per head, by position."""
-    if cfg.position in ("sdpa", "query"):
-        return model.n_heads, model.head_dim
-    if cfg.position in ("value", "key"):
-        return model.n_kv_heads, model.head_dim
-    return 1, model.d_model  # dense output (G5): one "head" spanning d_model
-
-
-def gate_projection_width(cfg: GateConfig | None, model: ModelConfig) -> int:
-    """Output columns the gate adds to the fused projection: H * W, or 0 without a projection."""
-    if cfg is None or cfg.kind != "gate" or not cfg.input_dependent:
-        return 0
-    heads, dim = gate_heads_and_dim(cfg, model)
-    return heads * (dim if cfg.granularity == "elementwise" else 1)
-
-
-def gate_param_count(cfg: GateConfig | None, model: ModelConfig) -> int:
-    """Parameters the gate adds per layer, e.g. ``d * q * d_k`` for G1 elementwise (Section 2.1)."""
-    if cfg is None or cfg.kind == "silu":
-        return 0
-    heads, dim = gate_heads_and_dim(cfg, model)
-    if cfg.kind == "rmsnorm":
-        return heads * dim  # one gain per channel, as a group norm's affine
-    width = heads * (dim if cfg.granularity == "elementwise" else 1)
-    return width * model.d_model if cfg.input_dependent else width
 
 
 class AttentionGate(nn.Module):
@@ -71,10 +45,9 @@ class AttentionGate(nn.Module):
     def __init__(self, cfg: GateConfig, model: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.heads, self.dim = gate_heads_and_dim(cfg, model)
+        self.heads, self.dim = cfg.heads_and_dim(model)
         self.width = self.dim if cfg.granularity == "elementwise" else 1
         self.activation = ACTIVATIONS[cfg.activation]
-        self.proj_width = gate_projection_width(cfg, model)
         if cfg.kind == "gate" and not cfg.input_dependent:
             # Table 4 row 6: learnable q x d_k scores, zero-initialised (sigmoid(0) = 0.5).
             self.static_logits = nn.Parameter(torch.zeros(self.heads, self.width))

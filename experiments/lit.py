@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from experiments import names as N
 from experiments.config import RunConfig, TrainConfig
 from experiments.model import GatedLM, count_active_parameters, count_parameters
-from experiments.moe import MoEFFN, auxiliary_loss, mean_load_cv, router_stats
+from experiments.moe import MoEFFN, RouterStats, auxiliary_loss, mean_load_cv, router_stats
 from experiments.probes import ProbeResult, run_probes
 from experiments.stability import Diverged, SpikeDetector, check_divergence, divergence_bound
 
@@ -113,26 +114,36 @@ class LMModule(pl.LightningModule):
         """(B, T) token ids -> (B, T, V) logits."""
         return self.model(tokens)
 
-    def _loss(self, batch: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    def loss(self, batch: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        """Next-token cross-entropy (nats) of (B, T + 1) token windows: mean, or ``sum`` over tokens."""
         logits = self.model(batch[:, :-1])
         return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction=reduction)
 
+    def auxiliary(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[RouterStats]] | None:
+        """The MoE router losses of the last forward (:func:`~experiments.moe.auxiliary_loss`:
+        total, load-balancing and z-loss means) and the layers' statistics; None for a dense model."""
+        stats = router_stats(self.model)
+        if not stats:
+            return None
+        world = self.trainer.world_size if self._trainer is not None else self.cfg.train.world_size
+        return (*auxiliary_loss(stats, self.cfg.model.moe, world), stats)
+
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
+        loss = self.loss(batch)
         value = float(loss.detach())
         check_divergence(self.global_step, value, self.diverge_bound)
         if self.spikes.update(self.global_step, value) and self.logger is not None:
-            self.logger.log_metrics({"stability/spike": value}, step=self.global_step)
-        self.log("train/loss", loss, on_step=True, prog_bar=False, logger=True)
-        self.log("train/lr", self.lr_schedulers().get_last_lr()[0], on_step=True, logger=True)
-        stats = router_stats(self.model)
-        if not stats:
+            self.logger.log_metrics({N.SPIKE: value}, step=self.global_step)
+        self.log(N.TRAIN_LOSS, loss, on_step=True, prog_bar=False, logger=True)
+        self.log(N.TRAIN_LR, self.lr_schedulers().get_last_lr()[0], on_step=True, logger=True)
+        aux = self.auxiliary()
+        if aux is None:
             return loss
-        aux, lb, z = auxiliary_loss(stats, self.cfg.model.moe, self.trainer.world_size)
-        self.log("train/lb_loss", lb, on_step=True, logger=True)
-        self.log("train/z_loss", z, on_step=True, logger=True)
-        self.log("moe/load_cv", mean_load_cv(stats), on_step=True, logger=True)
-        return loss + aux
+        total, lb, z, stats = aux
+        self.log(N.TRAIN_LB_LOSS, lb, on_step=True, logger=True)
+        self.log(N.TRAIN_Z_LOSS, z, on_step=True, logger=True)
+        self.log(N.MOE_LOAD_CV, mean_load_cv(stats), on_step=True, logger=True)
+        return loss + total
 
     def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> None:
         if self._resumed_rng is not None:  # the state saved at the start of this same step
@@ -142,21 +153,21 @@ class LMModule(pl.LightningModule):
 
     def on_train_batch_end(self, outputs, batch: torch.Tensor, batch_idx: int) -> None:
         seconds = time.perf_counter() - self._step_clock
-        self.log("train/tokens_per_s", batch[:, 1:].numel() / max(seconds, 1e-9), on_step=True, logger=True)
+        self.log(N.TRAIN_TOKENS_PER_S, batch[:, 1:].numel() / max(seconds, 1e-9), on_step=True, logger=True)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         norms = [p.grad.detach().norm() for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.stack(norms).norm()
         if not torch.isfinite(grad_norm):  # the step would write non-finite weights
             raise Diverged(self.global_step, float(grad_norm), math.inf, what="gradient norm")
-        self.log("train/grad_norm", grad_norm, on_step=True, logger=True)
+        self.log(N.TRAIN_GRAD_NORM, grad_norm, on_step=True, logger=True)
 
     def on_validation_epoch_start(self) -> None:
         self._nll_sum.zero_()
         self._tok_count.zero_()
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int, dataloader_idx: int = 0) -> None:
-        nll = self._loss(batch, reduction="sum")
+        nll = self.loss(batch, reduction="sum")
         self._nll_sum[dataloader_idx] += nll.item()
         self._tok_count[dataloader_idx] += batch[:, 1:].numel()
 
@@ -165,9 +176,9 @@ class LMModule(pl.LightningModule):
             return
         mean_nll = self._nll_sum / self._tok_count.clamp(min=1)
         ppl = {d: math.exp(v) for d, v in zip(self.domains, mean_nll.tolist())}
-        figures = {f"val/ppl/{d}": p for d, p in ppl.items()}
-        figures["val/ppl/avg"] = sum(ppl.values()) / len(ppl)
-        figures["val/loss"] = float(self._nll_sum.sum() / self._tok_count.sum())
+        figures = {N.val_ppl(d): p for d, p in ppl.items()}
+        figures[N.VAL_PPL_AVG] = sum(ppl.values()) / len(ppl)
+        figures[N.VAL_LOSS] = float(self._nll_sum.sum() / self._tok_count.sum())
         self.last_val, self.last_val_step = figures, self.global_step
         for key, value in figures.items():
             self.log(key, value, logger=True)
@@ -199,17 +210,22 @@ class LMModule(pl.LightningModule):
 
     def configure_optimizers(self):
         t = self.cfg.train
-        # Decay only projection, expert and embedding matrices; norm gains and static gate logits keep theirs.
-        matrices = {id(m.weight) for m in self.model.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
-        for m in self.model.modules():
-            if isinstance(m, MoEFFN):
-                matrices |= {id(m.w_gate_up), id(m.w_down)}
-        decay = [p for p in self.model.parameters() if id(p) in matrices]
-        no_decay = [p for p in self.model.parameters() if id(p) not in matrices]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=t.max_lr,
-            betas=(t.beta1, t.beta2),
-        )
+        optimizer = adamw(self.model, t)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, t) / t.max_lr)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def adamw(model: nn.Module, t: TrainConfig) -> torch.optim.AdamW:
+    """AdamW at ``max_lr`` (Section 2.2) with weight decay on the projection, expert and embedding
+    matrices only; norm gains and static gate logits get none."""
+    matrices = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+    for m in model.modules():
+        if isinstance(m, MoEFFN):
+            matrices |= {id(m.w_gate_up), id(m.w_down)}
+    decay = [p for p in model.parameters() if id(p) in matrices]
+    no_decay = [p for p in model.parameters() if id(p) not in matrices]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=t.max_lr,
+        betas=(t.beta1, t.beta2),
+    )

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from experiments.config import ModelConfig
-from experiments.gating import AttentionGate, gate_projection_width
+from experiments.gating import AttentionGate
 from experiments.moe import MoEFFN
 
 
@@ -47,7 +47,7 @@ class Attention(nn.Module):
         q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         self.gate = AttentionGate(cfg.gate, cfg) if cfg.gate is not None else None
         self.gate_position = cfg.gate.position if cfg.gate is not None else None
-        self.split_sizes = [q_dim, kv_dim, kv_dim, gate_projection_width(cfg.gate, cfg)]
+        self.split_sizes = [q_dim, kv_dim, kv_dim, cfg.gate_projection_width()]
         self.in_proj = nn.Linear(cfg.d_model, sum(self.split_sizes), bias=False)
         self.o_proj = nn.Linear(q_dim, cfg.d_model, bias=False)
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
@@ -187,15 +187,3 @@ def count_active_parameters(model: nn.Module) -> int:
     30.5B total, 3.3B activated; ``tests/test_model.py``). Equals the total for a dense model."""
     inactive = sum(m.inactive_parameters() for m in model.modules() if isinstance(m, MoEFFN))
     return count_parameters(model) - inactive
-
-
-def parameter_count(cfg: ModelConfig) -> int:
-    """Total parameters of ``GatedLM(cfg)``, built on the meta device (no memory allocated)."""
-    return parameter_counts(cfg)[0]
-
-
-def parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
-    """(total, active) parameters of ``GatedLM(cfg)``, built on the meta device."""
-    with torch.device("meta"):
-        model = GatedLM(cfg)
-    return count_parameters(model), count_active_parameters(model)

@@ -142,7 +142,10 @@ class MoEFFN(nn.Module):
         order = assigned.argsort(stable=True)
         token_of = order // self.top_k  # which token each sorted assignment came from
         counts = torch.bincount(assigned, minlength=self.n_experts)
-        grouped = flat[token_of]  # (N*k, d), expert 0's tokens first
+        # (N*k, d), expert 0's tokens first. Repeat, then permute: the backward of a permutation
+        # adds nothing twice, so the gradient is bitwise reproducible (flat[token_of] is not on CPU:
+        # its backward accumulates a token's k copies in whatever order the threads run).
+        grouped = flat.repeat_interleave(self.top_k, dim=0).index_select(0, order)
         outputs = self._grouped_experts(grouped, counts) if self.use_grouped_mm else None
         if outputs is None:
             outputs = self._looped_experts(grouped, counts)

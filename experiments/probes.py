@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from experiments import names as N
 from experiments.corpus import Corpus
 from experiments.model import GatedLM
 
@@ -63,11 +64,6 @@ def first_token_attention(probs: torch.Tensor) -> torch.Tensor:
 def max_abs_activation(hidden: torch.Tensor) -> float:
     """M-Act of one layer: ``max |h|`` over a (B, T, d) residual-stream output."""
     return float(hidden.abs().max())
-
-
-def fraction_below(values: torch.Tensor, threshold: float) -> float:
-    """Share of entries with ``|value| < threshold``."""
-    return float((values.abs() < threshold).double().mean())
 
 
 def score_summary(scores: np.ndarray) -> dict[str, float]:
@@ -161,11 +157,11 @@ class ProbeResult:
 
     #: per-layer series that also go to MLflow as ``<key>/layer_<ll>`` (the design card's names)
     LAYER_METRICS = {
-        "gate_score_mean": "gate/score_mean",
-        "f_attn": "sink/first_token_attn",
-        "m_act": "act/max",
-        "sdpa_abs_mean_pre": "act/sdpa_abs_mean_pre",
-        "sdpa_abs_mean_post": "act/sdpa_abs_mean_post",
+        "gate_score_mean": N.GATE_SCORE_MEAN,
+        "f_attn": N.F_ATTN,
+        "m_act": N.M_ACT_LAYER,
+        "sdpa_abs_mean_pre": N.SDPA_ABS_PRE,
+        "sdpa_abs_mean_post": N.SDPA_ABS_POST,
     }
 
     def metrics(self) -> dict[str, float]:
@@ -173,7 +169,7 @@ class ProbeResult:
         out = dict(self.summary)
         for name, key in self.LAYER_METRICS.items():
             for layer, value in enumerate(self.layers.get(name, [])):
-                out[f"{key}/layer_{layer:02d}"] = value
+                out[N.layer_key(key, layer)] = value
         return out
 
     def save(self, folder: Path) -> list[Path]:
@@ -329,18 +325,18 @@ def _result(stats: list[_LayerStats], gated: bool) -> ProbeResult:
         return float(np.mean(layers[name]))
 
     summary = {
-        "sink/first_token_attn": mean("f_attn"),
-        "act/max_mean": mean("m_act"),
-        "act/max_max": float(np.max(layers["m_act"])),
-        "act/sdpa_abs_mean_pre": mean("sdpa_abs_mean_pre"),
-        "act/sdpa_abs_mean_post": mean("sdpa_abs_mean_post"),
+        N.F_ATTN: mean("f_attn"),
+        N.M_ACT: mean("m_act"),
+        N.M_ACT_MAX: float(np.max(layers["m_act"])),
+        N.SDPA_ABS_PRE: mean("sdpa_abs_mean_pre"),
+        N.SDPA_ABS_POST: mean("sdpa_abs_mean_post"),
     }
     for t in SPARSITY_THRESHOLDS:
-        summary[f"sparsity/sdpa_below_{t:g}"] = mean(f"sdpa_below_{t:g}")
+        summary[N.sparsity_key("sdpa", t)] = mean(f"sdpa_below_{t:g}")
         if f"control_below_{t:g}" in layers:
-            summary[f"sparsity/control_below_{t:g}"] = mean(f"control_below_{t:g}")
+            summary[N.sparsity_key("control", t)] = mean(f"control_below_{t:g}")
     if gated:
         for name in layers:
             if name.startswith("gate_"):
-                summary[f"gate/{name.removeprefix('gate_')}"] = mean(name)
+                summary[N.GATE_PREFIX + name.removeprefix("gate_")] = mean(name)
     return ProbeResult(summary, layers, heads, hist)

@@ -15,9 +15,11 @@ import time
 from pathlib import Path
 
 from experiments.corpus import CorpusError
-from sweep.grid import GridError, load_grid
-from sweep.storage import HEARTBEAT_S
-from sweep.tracking import TrackingError
+from experiments.names import Outcome
+from sweep.grid import load_grid
+from sweep.gridfile import GridError
+from sweep.store import TrackingError
+from sweep.studies import HEARTBEAT_S
 
 
 class UsageError(RuntimeError):
@@ -30,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in (
         ("sweep", "train every unfinished cell, then write the tables"),
         ("tables", "write results/<grid>.{md,csv,tex} from the tracking store"),
-        ("params", "print total and added parameters per row (meta device, no training)"),
+        ("params", "print total, active and added parameters per row (counted, no training)"),
         ("tune", "Optuna search of each row's max learning rate, then results/lr_search.*"),
         ("worker", "train cells from the sweep's queue until it is empty (started by sweep --workers)"),
         ("eval", "benchmark finished runs that lack scores (the grid's eval.tasks), then the tables"),
@@ -93,13 +95,17 @@ def main(argv: list[str] | None = None) -> int:
         grid = load_grid(args.grid)
         cells = grid.cells(args.scale, seeds=seeds, rows=rows)
         if args.command == "params":
-            from sweep.report import params_table
+            from sweep.report.params import params_table
 
-            print(f"{grid.title} - parameters at scale '{args.scale}' (meta device)")
+            print(f"{grid.title} - parameters at scale '{args.scale}' (counted from the configs)")
             print(params_table(grid, args.scale, rows).to_markdown(index=False, disable_numparse=True))
             return 0
+        if args.command in ("sweep", "worker", "tune"):
+            from sweep.run.runner import check_runnable
+
+            check_runnable(grid, cells)
         _writable(results)
-        from sweep.report import write_tables
+        from sweep.report.write import write_tables
 
         if args.command == "tune":
             return _tune(args, grid, cells, results)
@@ -113,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             paths = write_tables(grid, args.scale, results, _command_line())  # every seed found
             print(f"table: {paths['md']} (also .csv, .tex)")
             return 1 if failed else 0
-        from sweep.interrupt import StopRequest
-        from sweep.runner import FAILED, KILLED, run_sweep, summary_line
+        from sweep.run.interrupt import StopRequest
+        from sweep.run.runner import run_sweep, summary_line
 
         started = time.perf_counter()
         if args.command == "worker":
@@ -122,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         with StopRequest() as stop:
             try:
                 if args.workers > 1 or args.storage:
-                    from sweep.queue import run_queued_sweep
-                    from sweep.storage import storage_url
+                    from sweep.run.queue import run_queued_sweep
+                    from sweep.studies import storage_url
 
                     url = storage_url(results, args.storage)
                     outcomes = run_queued_sweep(
@@ -147,13 +153,13 @@ def main(argv: list[str] | None = None) -> int:
         paths = write_tables(grid, args.scale, results, _command_line(), seeds)
         print(f"sweep finished in {minutes:.1f} min: {summary_line(outcomes)}")
         for o in outcomes:
-            if o.status in (FAILED, KILLED):
+            if o.status in (Outcome.FAILED, Outcome.KILLED):
                 print(f"  {o.status}: {o.cell.row.id} seed {o.cell.seed}: {o.note}")
         print(f"table: {paths['md']} (also .csv, .tex); browse the runs with: make ui")
         figures = [str(p) for k, p in paths.items() if k not in ("md", "csv", "tex")]
         if figures:
             print(f"figures: {', '.join(figures)}")
-        return 1 if bench_failed or any(o.status in (FAILED, KILLED) for o in outcomes) else 0
+        return 1 if bench_failed or any(o.status in (Outcome.FAILED, Outcome.KILLED) for o in outcomes) else 0
     except CorpusError as err:
         print(f"error: {args.grid}: data.sources: {err}", file=sys.stderr)
         return 2
@@ -166,8 +172,8 @@ def _evaluate(grid, scale: str, cells, results: Path, cache: Path | None) -> int
     """Benchmark the finished runs that lack scores; return how many evaluations failed."""
     if not grid.eval.tasks:
         return 0
-    from sweep.bench_eval import evaluate_missing
-    from sweep.tracking import Tracker, experiment_name, tracking_uri
+    from sweep.eval.scores import evaluate_missing
+    from sweep.store import Tracker, experiment_name, tracking_uri
 
     tracker = Tracker(tracking_uri(results), experiment_name(grid.name, scale), results / "mlartifacts")
     done, failed = evaluate_missing(tracker, cells, grid.eval, cache)
@@ -187,10 +193,9 @@ def _worker_args(args: argparse.Namespace, url: str) -> list[str]:
 def _worker(args: argparse.Namespace, grid, cells, results: Path, cache: Path | None) -> int:
     import torch
 
-    from sweep.interrupt import StopRequest
-    from sweep.queue import run_worker
-    from sweep.runner import FAILED
-    from sweep.storage import storage_url
+    from sweep.run.interrupt import StopRequest
+    from sweep.run.queue import run_worker
+    from sweep.studies import storage_url
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -200,7 +205,7 @@ def _worker(args: argparse.Namespace, grid, cells, results: Path, cache: Path | 
         )
     if stop.signum is not None:
         return stop.exit_code
-    return 1 if any(o.status == FAILED for o in outcomes) else 0
+    return 1 if any(o.status == Outcome.FAILED for o in outcomes) else 0
 
 
 def _floats(text: str, what: str) -> list[float]:
@@ -216,8 +221,8 @@ def _floats(text: str, what: str) -> list[float]:
 def _tune(args: argparse.Namespace, grid, cells, results: Path) -> int:
     import optuna
 
-    from sweep.lr_report import write_lr_report
-    from sweep.tune import tune_row, unretried_failures
+    from sweep.report.lr import write_lr_report
+    from sweep.run.tune import tune_row, unretried_failures
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     lr_range = _floats(args.lr_range, "lr-range")
@@ -227,9 +232,7 @@ def _tune(args: argparse.Namespace, grid, cells, results: Path) -> int:
     if args.trials < 1:
         raise UsageError("--trials must be at least 1")
     cache = _cache_root()
-    rows = [c.row for c in cells if c.seed == cells[0].seed and not c.unsupported]
-    if not rows:
-        raise UsageError(f"{grid.file}: no runnable row to tune among {', '.join(c.row.id for c in cells)}")
+    rows = [c.row for c in cells if c.seed == cells[0].seed]
     try:
         studies = {
             row.id: tune_row(

@@ -72,7 +72,7 @@ def start_slow_cli(args: list[str]) -> subprocess.Popen:
 def wait_for_checkpoint(results: Path, min_step: int, procs: list[subprocess.Popen]) -> Path:
     """Poll until some run under ``results`` has a checkpoint of at least ``min_step``; return
     its folder. Fails if every process in ``procs`` ended first."""
-    from sweep.resume import latest_checkpoint
+    from experiments.checkpointing import latest_checkpoint
 
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

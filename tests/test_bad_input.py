@@ -35,7 +35,7 @@ def test_a_corpus_source_that_cannot_be_built(
         raise OSError("archive truncated")
 
     broken = C.Source(domain="literature", version="x", license="x", extract=unreadable)
-    monkeypatch.setitem(C.SOURCES, "shakespeare", broken)  # a local source: no download needed
+    monkeypatch.setitem(C.sources.SOURCES, "shakespeare", broken)  # a local source: no download needed
     cache = tmp_path / "cache"
     monkeypatch.setenv("GATED_ATTN_CACHE", str(cache))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

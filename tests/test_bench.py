@@ -16,12 +16,12 @@ from lm_eval.api.instance import Instance
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from experiments.config import ModelConfig
+from experiments.lm_wrapper import GatedAttnLM, cut_at_stop
 from experiments.model import GatedLM
-from sweep.bench_eval import parse_results
-from sweep.bench_suite import bigbench_docs, humaneval_problems, mmlu_dev_questions
+from sweep.eval.humaneval_exec import passes
+from sweep.eval.scores import parse_results
+from sweep.eval.suite import bigbench_docs, humaneval_problems, mmlu_dev_questions
 from sweep.grid import GridError, load_grid
-from sweep.humaneval_exec import passes
-from sweep.lm_wrapper import GatedAttnLM, cut_at_stop
 
 TEXT = "the cat sat on the mat. a dog ran in the park. the sun is hot and the sky is blue. " * 20
 WINDOW = 24
@@ -120,7 +120,7 @@ def test_offline_suite_data() -> None:
 
 
 def test_the_suite_builds_into_a_fresh_cache(tmp_path: Path) -> None:
-    from sweep.bench_suite import chance, task_dir
+    from sweep.eval.suite import chance, task_dir
 
     root = task_dir(tmp_path / "new" / "cache")
     assert sorted(p.name for p in root.iterdir()) == [
@@ -170,7 +170,7 @@ def test_a_micro_task_runs_end_to_end_through_simple_evaluate(lm: GatedAttnLM, t
         {"question": "a dog ran in the", "choices": ["park", "sun"], "labels": ["A", "B"], "answer": 1},
     ]
     (tmp_path / "micro.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    from sweep.bench_suite import _mc_task, _write_task
+    from sweep.eval.suite import _mc_task, _write_task
 
     _write_task(tmp_path / "micro_mc.yaml", _mc_task("micro_mc", tmp_path / "micro.jsonl"))
     out = simple_evaluate(
@@ -199,7 +199,7 @@ def test_grid_eval_section_is_validated(tmp_path: Path) -> None:
     assert grid.eval.tasks == ("offline_mmlu_dev",) and grid.eval.fewshot("offline_mmlu_dev") == 5
     with pytest.raises(GridError, match=r"eval.shots: unknown key"):
         load_grid(write(tmp_path, GOOD + "eval: {tasks: [a], shots: 3}\n"))
-    with pytest.raises(GridError, match=r"eval.num_fewshot: must map listed tasks"):
+    with pytest.raises(GridError, match=r"eval.num_fewshot.b: must map a listed task"):
         load_grid(write(tmp_path, GOOD + "eval: {tasks: [a], num_fewshot: {b: 1}}\n"))
 
 
@@ -256,3 +256,34 @@ def test_make_eval_scores_finished_runs_without_retraining(
 
     assert main(["eval", "--grid", str(scored), "--results", str(results)]) == 0  # nothing missing
     assert "runs scored" not in capsys.readouterr().out
+
+
+def test_the_table_shows_acc_or_the_only_score_headed_with_the_logged_chance(tmp_path: Path) -> None:
+    import pandas as pd
+
+    from experiments.names import bench_score_key
+    from sweep.report.tables import bench_columns
+    from tests.test_grid import GOOD, write
+
+    grid = load_grid(
+        write(tmp_path, GOOD + "eval: {tasks: [offline_mmlu_dev, offline_humaneval, hellaswag]}\n")
+    )
+    runs = pd.DataFrame(
+        [
+            {
+                "status": "finished",
+                "bench/offline_mmlu_dev/acc": 0.25,
+                "bench/offline_mmlu_dev/acc_stderr": 0.02,
+                "bench/offline_mmlu_dev/chance": 0.2497,
+                "bench/offline_humaneval/pass_at_1": 0.0,
+                "bench/offline_humaneval/pass_at_1_stderr": 0.0,
+            }
+        ]
+    )
+    mmlu, humaneval, hellaswag = bench_columns(grid, runs)
+    assert (mmlu.metric, mmlu.heading) == ("bench/offline_mmlu_dev/acc", "mmlu_dev acc (chance 0.250)")
+    assert (humaneval.metric, humaneval.heading) == ("bench/offline_humaneval/pass_at_1", "humaneval pass@1")
+    assert hellaswag.metric == "bench/hellaswag/acc"  # not scored yet: acc, no chance
+    assert bench_score_key("t", ["bench/t/acc_norm", "bench/t/acc", "bench/t/chance"]) == "bench/t/acc"
+    assert bench_score_key("t", ["bench/t/exact_match", "bench/t/chance"]) == "bench/t/exact_match"
+    assert bench_score_key("t", ["bench/t/chance", "bench/u/acc"]) is None

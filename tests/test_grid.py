@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from experiments.model import parameter_count
 from sweep.cli import main
 from sweep.grid import GridError, load_grid, run_key
 
@@ -44,36 +43,20 @@ def test_shipped_grids_validate_at_every_scale(path: Path) -> None:
 def test_table1_has_the_papers_fifteen_rows_in_order() -> None:
     grid = load_grid(ROOT / "grids/table1.yaml")
     assert [r.paper_row for r in grid.rows] == list(range(1, 16))
-    assert not [c.row.id for c in grid.cells("tiny") if c.unsupported]  # row 4 trains on the MoE base
-
-
-def test_a_row_needing_a_missing_feature_is_reported_not_dropped(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr("sweep.grid.SUPPORTED_FEATURES", frozenset({"dense"}))  # a build without MoE
-    text = (
-        GOOD + "  - {id: experts, requires: [moe], model: {moe: {n_experts: 4, top_k: 2, expert_dim: 8}}}\n"
-    )
-    cells = load_grid(write(tmp_path, text)).cells("tiny")
-    assert [(c.row.id, c.unsupported) for c in cells] == [
-        ("baseline", None),
-        ("sdpa", None),
-        ("experts", "needs the MoE base (not built yet)"),
-    ]
+    assert all(c.config.model.moe is not None for c in grid.cells("tiny"))  # every row on the MoE base
 
 
 def test_table1_paper_scale_is_table7s_15a2b() -> None:
     """Table 7: 24 layers, 32 query / 4 KV heads of 128, d 2048, 128 experts of 768, top-8, untied.
 
     Total 15.58B is within 5% of the paper's "15B". Active is 1.99B, the "2B" of the name
-    15A2B; the paper's text says 2.54B, which no count of Table 7's shape gives (README,
-    "Parameter counts")."""
-    from experiments.model import parameter_counts
+    15A2B; the paper's text says 2.54B, which no count of Table 7's shape gives (docs/scales.md,
+    "Parameters at the paper's scale")."""
 
     cfg = load_grid(ROOT / "grids/table1.yaml").baseline_config("paper").model
     assert (cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model) == (24, 32, 4, 128, 2048)
     assert (cfg.moe.n_experts, cfg.moe.top_k, cfg.moe.expert_dim, cfg.tie_embeddings) == (128, 8, 768, False)
-    total, active = parameter_counts(cfg)
+    total, active = cfg.param_counts()
     embeddings = 2 * 151936 * 2048  # untied input and output
     attention = 2048 * (32 * 128) * 2 + 2048 * (4 * 128) * 2
     expert = 3 * 2048 * 768
@@ -87,14 +70,13 @@ def test_table1_paper_scale_is_table7s_15a2b() -> None:
 def test_table1_row4_adds_four_experts_in_total_and_per_token() -> None:
     """128 -> 132 experts, top-8 -> top-12 at paper and tiny scale: +453M total and active at
     paper scale (4 x 3 x 2048 x 768 x 24, plus 4 router rows per layer)."""
-    from experiments.model import parameter_counts
 
     grid = load_grid(ROOT / "grids/table1.yaml")
     for scale, experts in (("paper", (132, 12)), ("tiny", (132, 12))):
         (cell,) = grid.cells(scale, rows=["add_experts"])
         assert (cell.config.model.moe.n_experts, cell.config.model.moe.top_k) == experts
-    base_total, base_active = parameter_counts(grid.baseline_config("paper").model)
-    total, active = parameter_counts(grid.cells("paper", rows=["add_experts"])[0].config.model)
+    base_total, base_active = grid.baseline_config("paper").model.param_counts()
+    total, active = grid.cells("paper", rows=["add_experts"])[0].config.model.param_counts()
     added = 4 * 3 * 2048 * 768 * 24 + 4 * 2048 * 24
     assert (total - base_total, active - base_active) == (added, added)
     assert round(added / 1e6) == 453
@@ -128,10 +110,10 @@ def test_table2_rows_follow_the_papers_settings() -> None:
     assert (paper_28l.d_model, paper_28l.ffn_dim, paper_28l.tie_embeddings) == (2048, 6144, True)
     (deep,) = grid.cells("paper", rows=["baseline_48l"])
     assert (deep.config.model.d_model, deep.config.model.ffn_dim) == (1536, 4608)
-    assert parameter_count(paper_28l) == 1_720_837_120  # the released 1.7B baseline checkpoint
+    assert paper_28l.param_counts()[0] == 1_720_837_120  # the released 1.7B baseline checkpoint
     (gated,) = grid.cells("paper", rows=["sdpa_elementwise_28l"])
-    assert parameter_count(gated.config.model) == 1_728_177_152  # the released elementwise one
-    assert round(parameter_count(deep.config.model) / 1e9, 2) == 1.71
+    assert gated.config.model.param_counts()[0] == 1_728_177_152  # the released elementwise one
+    assert round(deep.config.model.param_counts()[0] / 1e9, 2) == 1.71
     references = {r.id: grid.reference(r).id for r in grid.rows}
     assert {r for r, ref in references.items() if r == ref} == {
         "baseline_28l", "baseline_28l_3t5", "baseline_48l", "baseline_48l_1t",
@@ -175,10 +157,10 @@ def test_table1_added_params_at_paper_scale_match_the_paper() -> None:
         14: 201,
         15: 201,
     }
-    base = parameter_count(grid.baseline_config("paper").model)
+    base = grid.baseline_config("paper").model.param_counts()[0]
     for cell in grid.cells("paper"):
         if cell.row.paper_row in paper:
-            added = (parameter_count(cell.config.model) - base) / 1e6
+            added = (cell.config.model.param_counts()[0] - base) / 1e6
             expected = paper[cell.row.paper_row]
             assert abs(added - expected) <= (0.05 if expected < 2 else 0.7), (cell.row.id, added, expected)
 
@@ -237,13 +219,25 @@ BAD = {
     ),
     "missing_base": (
         GOOD.split("base:")[0] + "scales:" + GOOD.split("scales:")[1],
-        "base: missing required key 'base'",
+        "base: missing required key",
         None,
     ),
     "empty_rows": (GOOD.split("rows:")[0] + "rows: []\n", "rows: must be a non-empty list of rows", None),
     "unknown_scale": (GOOD, "unknown scale 'huge'; defined: tiny", "huge"),
     "missing_inherited_grid": (GOOD + "inherit: nowhere.yaml\n", "inherit: inherited grid", None),
-    "bad_table_column": (GOOD + "columns: [ppl]\n", "columns: must be a list of gate_score", None),
+    "bad_table_column": (
+        GOOD + "columns: [ppl]\n",
+        "columns[0]: bad value 'ppl'; allowed: gate_score, m_act, f_attn, loss_spikes",
+        None,
+    ),
+    "complex_key": (
+        GOOD + "  - {id: x, model: {[n_heads, n_kv_heads]: 4}}\n",
+        "row 'x': model: keys must be names, not a sequence",
+        None,
+    ),
+    "unknown_row_key": (GOOD + "  - {id: x, requires: [moe]}\n", "row 'x': requires: unknown key", None),
+    "bad_row_id": (GOOD + "  - {id: X-1}\n", "rows[2].id: needs an 'id' of [a-z0-9_]", None),
+    "bad_eval": (GOOD + "eval: {tasks: [a], num_fewshot: {b: 1}}\n", "eval.num_fewshot.b: must map", None),
 }
 
 
@@ -327,3 +321,30 @@ def test_tables_3_and_4_inherit_table1s_model_and_scales() -> None:
         "sdpa_group_norm": "rmsnorm",
         "sdpa_silu": "silu",
     }
+
+
+def test_where_a_cell_trains_is_not_part_of_what_it_is(tmp_path: Path) -> None:
+    """Devices, nodes and strategy are placement: the same cell on a laptop and on a cluster has one
+    run_key (and one result); a science field changes it."""
+    import sys
+
+    text = (
+        GOOD + "  - {id: two_gpus, train: {devices: 2, strategy: ddp}}\n  - {id: lr, train: {max_lr: 3e-3}}\n"
+    )
+    cells = {c.row.id: c for c in load_grid(write(tmp_path, text)).cells("tiny")}
+    assert cells["two_gpus"].run_key == cells["baseline"].run_key
+    assert cells["lr"].run_key != cells["baseline"].run_key
+    if sys.version_info[:2] == (3, 11):  # the corpus recipe hashes the stdlib's Python version
+        cell = load_grid(ROOT / "grids/table1.yaml").cells("tiny", seeds=[0], rows=["baseline"])[0]
+        assert cell.run_key == "1e61801c0b38f717"  # what every earlier store holds for it
+
+
+def test_a_cell_on_several_devices_is_refused_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    path = write(tmp_path, GOOD + "  - {id: two, train: {devices: 2}}\n")
+    code = main(["sweep", "--grid", str(path), "--results", str(tmp_path / "results")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert err.startswith(f"error: {path}: row 'two': train.devices: devices x num_nodes = 2")
+    assert not (tmp_path / "results").exists()

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import get_args
 
 import pytest
 import torch
+from conftest import ROOT
 
-from experiments.config import ConfigError, GateConfig, ModelConfig, MoEConfig
-from experiments.model import (
-    GatedLM,
-    count_active_parameters,
-    count_parameters,
-    parameter_count,
-    parameter_counts,
-)
+from experiments.config import Activation, ConfigError, GateConfig, ModelConfig, MoEConfig
+from experiments.gating import ACTIVATIONS
+from experiments.model import GatedLM, count_active_parameters, count_parameters
+from sweep.grid import load_grid
 
 # A small shape with GQA (q=4, k=2) and head_dim != d_model / n_heads.
 SMALL = ModelConfig(
@@ -58,7 +56,7 @@ def test_shape_and_parameter_count(name: str) -> None:
     tokens = torch.randint(0, 64, (3, 11))
     assert model(tokens).shape == (3, 11, 64)
     assert count_parameters(model) - count_parameters(build(None)) == L * per_layer
-    assert parameter_count(model.cfg) == count_parameters(model)  # the meta-device count agrees
+    assert model.cfg.param_counts()[0] == count_parameters(model)  # the meta-device count agrees
 
 
 def _copy_baseline_into(gated: GatedLM, base: GatedLM) -> None:
@@ -152,16 +150,16 @@ def test_released_1b_parameter_counts() -> None:
     )
     elementwise = ModelConfig(**shape, gate=GateConfig(), match_params=True)
     headwise = ModelConfig(**shape, gate=GateConfig(granularity="headwise"), match_params=True)
-    assert parameter_count(ModelConfig(**shape)) == 1_720_837_120
+    assert ModelConfig(**shape).param_counts()[0] == 1_720_837_120
     assert elementwise.effective_ffn_dim() == 5504
-    assert parameter_count(elementwise) == 1_728_177_152
+    assert elementwise.param_counts()[0] == 1_728_177_152
     assert headwise.effective_ffn_dim() == 6144
-    assert parameter_count(headwise) == 1_721_754_624
+    assert headwise.param_counts()[0] == 1_721_754_624
 
 
 def test_more_query_heads_grow_wq_and_wo() -> None:
     grown = dataclasses.replace(SMALL, n_heads=6)
-    assert parameter_count(grown) - parameter_count(SMALL) == L * 2 * D * 2 * DK
+    assert grown.param_counts()[0] - SMALL.param_counts()[0] == L * 2 * D * 2 * DK
 
 
 @pytest.mark.parametrize(
@@ -250,22 +248,23 @@ def test_active_parameters_match_qwens_published_counts() -> None:
         vocab_size=151936, d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
         max_seq_len=4096, moe=MoEConfig(n_experts=128, top_k=8, expert_dim=768),
     )  # fmt: skip
-    total, active = parameter_counts(qwen3)
+    total, active = qwen3.param_counts()
     assert round(total / 1e9, 1) == 30.5
     assert 3.3e9 <= active < 3.4e9  # 3.35B, published as "3.3B"
-    half = parameter_counts(dataclasses.replace(qwen3, n_layers=24))
+    half = dataclasses.replace(qwen3, n_layers=24).param_counts()
     assert (round(half[0] / 1e9, 2), round(half[1] / 1e9, 2)) == (15.58, 1.99)
 
 
 def test_dense_active_equals_total_and_moe_counts_only_chosen_experts() -> None:
-    assert parameter_counts(SMALL) == (parameter_count(SMALL), parameter_count(SMALL))
+    total, active = SMALL.param_counts()
+    assert total == active == count_parameters(build(None))
     model = build(None, moe=MOE)
     total, active = count_parameters(model), count_active_parameters(model)
     assert total - active == L * (8 - 2) * 3 * D * 6
     router = D * 8
     expected_ffn = router + 8 * 3 * D * 6
     assert total - count_parameters(build(None)) == L * (expected_ffn - 3 * D * 40)  # MoE for SwiGLU
-    assert parameter_counts(model.cfg) == (total, active)
+    assert model.cfg.param_counts() == (total, active)
 
 
 def test_moe_language_model_trains_every_routed_expert() -> None:
@@ -304,9 +303,62 @@ def test_match_params_is_rejected_for_a_moe_model() -> None:
 
 
 def test_the_benchmarks_dense_twin_has_the_moe_models_active_parameters() -> None:
-    from sweep.bench import dense_twin
+    from sweep.throughput import dense_twin
 
     moe = dataclasses.replace(SMALL, moe=MOE)
     twin = dense_twin(moe)
     assert twin.moe is None and twin.ffn_dim == 2 * 6
-    assert parameter_counts(moe)[1] - parameter_count(twin) == L * D * 8  # the router alone
+    assert moe.param_counts()[1] - twin.param_counts()[0] == L * D * 8  # the router alone
+
+
+def built_counts(cfg: ModelConfig) -> tuple[int, int]:
+    """(total, active) of the model actually built, on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = GatedLM(cfg)
+    return count_parameters(model), count_active_parameters(model)
+
+
+@pytest.mark.parametrize("grid", sorted((ROOT / "grids").glob("*.yaml")), ids=lambda p: p.name)
+def test_counted_parameters_equal_the_built_models_for_every_shipped_cell(grid) -> None:
+    """``ModelConfig.param_counts`` counts from the shape alone; the built model must agree for
+    every row of every grid at every scale (MoE, sandwich norm, tied embeddings, every gate)."""
+    g = load_grid(grid)
+    for scale in g.scales:
+        for cell in g.cells(scale, seeds=[0]):
+            assert cell.config.model.param_counts() == built_counts(cell.config.model), (scale, cell.row.id)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_counted_parameters_equal_the_built_models_for_every_variant(name: str) -> None:
+    gate, _ = VARIANTS[name]
+    for cfg in (
+        dataclasses.replace(SMALL, gate=gate),
+        dataclasses.replace(
+            SMALL, gate=gate, moe=MOE, qk_norm=False, sandwich_norm=True, tie_embeddings=True
+        ),
+    ):
+        assert cfg.param_counts() == built_counts(cfg)
+
+
+# Each gate activation and what it computes, by hand. A new activation is one entry here, one name in
+# ``experiments.config.Activation`` and one function in ``experiments.gating.ACTIVATIONS``.
+ACTIVATION_VALUES = {
+    "sigmoid": lambda z: 1 / (1 + torch.exp(-z)),
+    "silu": lambda z: z / (1 + torch.exp(-z)),
+    "ns_sigmoid": lambda z: 0.5 + 0.5 / (1 + torch.exp(-z)),
+    "identity": lambda z: z,
+}
+
+
+def test_the_configs_activations_are_the_gating_modules() -> None:
+    assert set(get_args(Activation)) == set(ACTIVATIONS) == set(ACTIVATION_VALUES)
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATION_VALUES))
+def test_each_activation_computes_its_formula_and_trains(name: str) -> None:
+    z = torch.linspace(-4, 4, 17, dtype=torch.float64)
+    torch.testing.assert_close(ACTIVATIONS[name](z), ACTIVATION_VALUES[name](z))
+    model = build(GateConfig(position="sdpa", activation=name)).train()
+    model(torch.randint(0, 64, (2, 9))).sum().backward()
+    gate_rows = model.blocks[0].attn.in_proj.weight.grad[-Q * DK :]  # the gate's slice of q|k|v|gate
+    assert gate_rows.abs().sum() > 0

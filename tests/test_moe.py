@@ -250,3 +250,26 @@ def test_global_batch_balancing_under_lightning_ddp_on_gloo(tmp_path: Path) -> N
     for rank in local_ranks:  # per-rank balancing: DDP's average of each rank's own gradient, no factor
         assert torch.allclose(torch.tensor(rank["grad"]), (local_grads[0] + local_grads[1]) / 2, atol=1e-6)
     assert not torch.allclose(torch.tensor(local_ranks[0]["grad"]), ref.router.weight.grad, atol=1e-4)
+
+
+@pytest.mark.parametrize("grouped_mm", [True, False], ids=["grouped_mm", "loop_over_experts"])
+def test_moe_gradients_are_bitwise_reproducible_with_several_threads(grouped_mm: bool) -> None:
+    """The same batch twice gives the same bits: a token's k copies meet in its gradient in a
+    fixed order. (Gathering them with ``flat[token_of]`` did not on CPU: its backward accumulated
+    the copies in thread order, so two runs of one cell at Table 1's tiny shape drifted apart.)"""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    try:
+        grads = []
+        for _ in range(3):
+            torch.manual_seed(0)
+            moe = MoEFFN(128, 128, 8, 48)
+            moe.use_grouped_mm = grouped_mm
+            x = torch.randn(1016, 128, requires_grad=True)  # 8 sequences of 127 tokens
+            moe(x).square().sum().backward()
+            grads.append([x.grad, moe.router.weight.grad, moe.w_gate_up.grad, moe.w_down.grad])
+    finally:
+        torch.set_num_threads(threads)
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other):
+            assert torch.equal(a, b)

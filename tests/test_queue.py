@@ -16,10 +16,10 @@ from mlflow.entities import ViewType
 
 from sweep.cli import main
 from sweep.grid import Grid, load_grid
-from sweep.interrupt import StopRequest
-from sweep.queue import Queue, enqueue_cells, open_queue, pop_cell, record, run_worker
-from sweep.runner import SweepContext, prepare_sweep
-from sweep.storage import storage_url
+from sweep.run.interrupt import StopRequest
+from sweep.run.queue import Queue, enqueue_cells, open_queue, pop_cell, record, run_worker
+from sweep.run.runner import SweepContext, prepare_sweep
+from sweep.studies import storage_url
 from tests.conftest import LONG_MICRO, LONG_STEPS, MICRO, ROOT, start_slow_cli, wait_for_checkpoint
 
 
@@ -30,7 +30,7 @@ def all_cell_runs(results: Path) -> list:
 
 
 def queue_trials(results: Path) -> list[optuna.trial.FrozenTrial]:
-    study = optuna.load_study(study_name="micro-tiny-cells", storage=storage_url(results, None))
+    study = optuna.load_study(study_name="cells-tiny", storage=storage_url(results, None))
     return study.get_trials()
 
 
@@ -44,11 +44,11 @@ def test_three_workers_train_every_cell_exactly_once(
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "9 queued for 3 workers" in out
-    assert "finished 9, resumed 0, skipped 0, unsupported 0, diverged 0, failed 0" in out
+    assert "finished 9, resumed 0, skipped 0, diverged 0, failed 0" in out
 
     runs = all_cell_runs(results)
     cells = load_grid(grid).cells("tiny", seeds=[0, 1, 2])
-    keys = {c.run_key for c in cells if not c.unsupported}
+    keys = {c.run_key for c in cells}
     assert Counter(r.data.tags["run_key"] for r in runs) == Counter(keys)  # one run per cell, no more
     assert all(r.data.tags["status"] == "finished" and "resumed" not in r.data.tags for r in runs)
     trials = queue_trials(results)
@@ -60,7 +60,7 @@ def test_three_workers_train_every_cell_exactly_once(
         assert t.value == pytest.approx(run.data.metrics["val/ppl/avg"])
 
     assert main(args) == 0  # nothing left: no worker starts, no trial is added
-    assert "finished 0, resumed 0, skipped 9, unsupported 0" in capsys.readouterr().out
+    assert "finished 0, resumed 0, skipped 9" in capsys.readouterr().out
     assert len(queue_trials(results)) == 9 and len(all_cell_runs(results)) == 9
 
 
@@ -88,7 +88,7 @@ def queued(tmp_path: Path, grid_text: str, row: str | None = None) -> Queued:
     cells = [c for c in grid.cells("tiny") if row is None or c.row.id == row]
     ctx = prepare_sweep(grid, cells, results, ROOT / ".cache", out=lambda _line: None)
     url = storage_url(results, None)
-    return Queued(grid_path, results, grid, cells, ctx, url, open_queue(grid, "tiny", url, heartbeat_s=1))
+    return Queued(grid_path, results, grid, cells, ctx, url, open_queue("tiny", url, heartbeat_s=1))
 
 
 def test_a_dead_workers_cell_is_taken_over_and_resumed(repo_cache: None, tmp_path: Path) -> None:
@@ -187,7 +187,7 @@ def test_a_running_run_of_a_live_process_on_this_host_is_left_alone() -> None:
     import sys
     from types import SimpleNamespace
 
-    from sweep.runner import live_owner
+    from sweep.run.resume import live_owner
 
     def run(status: str, pid: int) -> SimpleNamespace:
         tags = {"status": status, "worker": f"{socket.gethostname()}:{pid}"}

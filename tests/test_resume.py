@@ -125,7 +125,7 @@ def test_a_crashed_cell_keeps_its_checkpoint_fails_the_sweep_and_resumes(
     assert main(args) == 1  # a failed cell fails the sweep, after the other cells ran
     out = capsys.readouterr().out
     assert f"{ROW} s0 FAILED: RuntimeError: disk full" in out
-    assert "finished 2, resumed 0, skipped 0, unsupported 0, diverged 0, failed 1" in out
+    assert "finished 2, resumed 0, skipped 0, diverged 0, failed 1" in out
     (failed,) = cell_runs(results)
     assert failed.data.tags["status"] == "failed" and failed.info.status == "FAILED"
     kept = Path(failed.data.tags["checkpoint"])
@@ -135,5 +135,5 @@ def test_a_crashed_cell_keeps_its_checkpoint_fails_the_sweep_and_resumes(
     assert main(args) == 0
     out = capsys.readouterr().out
     assert f"resuming run {failed.info.run_id} (failed) from step000020.ckpt" in out
-    assert "finished 0, resumed 1, skipped 2, unsupported 0, diverged 0, failed 0" in out
+    assert "finished 0, resumed 1, skipped 2, diverged 0, failed 0" in out
     assert_same_training(results, uninterrupted["results"])

@@ -58,7 +58,7 @@ def test_a_nan_loss_marks_the_cell_diverged_keeps_its_checkpoint_and_the_sweep_g
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     use_repo_cache(monkeypatch)
-    original = LMModule._loss
+    original = LMModule.loss
 
     def planted(self: LMModule, batch, reduction: str = "mean"):
         loss = original(self, batch, reduction)
@@ -66,7 +66,7 @@ def test_a_nan_loss_marks_the_cell_diverged_keeps_its_checkpoint_and_the_sweep_g
             return loss * float("nan")
         return loss
 
-    monkeypatch.setattr(LMModule, "_loss", planted)
+    monkeypatch.setattr(LMModule, "loss", planted)
     grid = tmp_path / "g.yaml"
     grid.write_text(MICRO.replace("max_lr: 2e-3}", "max_lr: 2e-3, checkpoint_every: 2}"))
     results = tmp_path / "r"
@@ -74,7 +74,7 @@ def test_a_nan_loss_marks_the_cell_diverged_keeps_its_checkpoint_and_the_sweep_g
     assert main(args) == 0  # a diverged cell is a result, not a failure
     out = capsys.readouterr().out
     assert "sdpa_elementwise s0 DIVERGED: training loss nan at step 5 is not finite" in out
-    assert "finished 2, resumed 0, skipped 0, unsupported 0, diverged 1, failed 0" in out
+    assert "finished 2, resumed 0, skipped 0, diverged 1, failed 0" in out
 
     client = MlflowClient(tracking_uri=f"sqlite:///{results / 'mlflow.db'}")
     exp = client.get_experiment_by_name("micro-tiny")

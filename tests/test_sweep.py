@@ -14,7 +14,8 @@ from mlflow import MlflowClient
 from experiments.config import RunConfig, from_dict
 from sweep.cli import main
 from sweep.grid import load_grid
-from sweep.report import build_table, display_table, paired_delta
+from sweep.report.display import display_table
+from sweep.report.tables import build_table, paired_delta
 
 
 def _runs(results: Path) -> tuple[MlflowClient, list]:
@@ -89,8 +90,8 @@ def test_second_sweep_trains_nothing_and_writes_the_same_table(
     before = (micro["results"] / "micro.csv").read_text()
     assert main(["sweep", "--grid", str(micro["grid"]), "--results", str(micro["results"])]) == 0
     out = capsys.readouterr().out
-    assert "0 to train, 3 finished earlier, 0 unsupported" in out
-    assert "finished 0, resumed 0, skipped 3, unsupported 0, diverged 0, failed 0" in out
+    assert "0 to train, 3 finished earlier;" in out
+    assert "finished 0, resumed 0, skipped 3, diverged 0, failed 0" in out
     _, runs = _runs(micro["results"])
     assert len(runs) == 3
     assert (micro["results"] / "micro.csv").read_text() == before
@@ -222,7 +223,7 @@ def test_tables_write_the_figures_and_a_report_run_holds_them(micro: dict) -> No
 
 def test_first_token_figure_draws_rows_of_different_depths() -> None:
     """Table 2 mixes 28- and 48-layer models (7 and 12 at tiny): each row's curve has its own length."""
-    from sweep.figures import first_token_figure
+    from sweep.report.figures import first_token_figure
 
     def run(label: str, layers: int) -> dict:
         out = {"label": label, "gate": "none", "status": "finished"}
@@ -264,3 +265,66 @@ def test_rows_are_measured_against_their_compare_to_row(tmp_path: Path) -> None:
     assert shown.loc["Baseline", "vs #"] == 1
     assert list(shown.loc[["Baseline", "deep"], "Δ Avg PPL"]) == ["reference", "reference"]
     assert shown.loc["deep_gated", "Δ Avg PPL"] == "-3.000"
+
+
+@pytest.mark.slow
+def test_a_cell_another_grid_trained_is_not_trained_again(
+    micro: dict, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Table 3 after Table 1: the rows they share (same resolved config, same run_key) are read
+    from Table 1's runs, under Table 3's own labels; only the new row is trained."""
+    import shutil
+
+    results = tmp_path / "results"
+    shutil.copytree(micro["results"], results)
+    other = tmp_path / "other.yaml"
+    other.write_text(
+        MICRO.replace("name: micro", "name: other").split("rows:")[0]
+        + "rows:\n"
+        + "  - {id: baseline, label: Baseline}\n"
+        + "  - {id: g1, label: SDPA gate, model: {gate: {position: sdpa}}}\n"
+        + "  - {id: g1_head, label: SDPA headwise, model: {gate: {position: sdpa, granularity: headwise}}}\n"
+    )
+    assert main(["sweep", "--grid", str(other), "--results", str(results)]) == 0
+    out = capsys.readouterr().out
+    assert f"tracking sqlite:///{(results / 'mlflow.db').resolve()}" in out  # not the last store used
+    assert "3 cells, 1 to train, 2 finished earlier" in out
+    assert "finished 1, resumed 0, skipped 2, diverged 0, failed 0" in out
+    client = MlflowClient(tracking_uri=f"sqlite:///{results / 'mlflow.db'}")
+    trained = client.search_runs(
+        [client.get_experiment_by_name("other-tiny").experiment_id], "tags.kind = 'cell'"
+    )
+    assert [r.data.tags["row"] for r in trained] == ["g1_head"]
+    table = pd.read_csv(results / "other.csv").set_index("id")
+    mine = pd.read_csv(micro["results"] / "micro.csv").set_index("id")
+    assert table.loc["g1", "avg_ppl"] == mine.loc["sdpa_elementwise", "avg_ppl"]
+    assert table.loc["g1", "label"] == "SDPA gate" and table["n_seeds"].tolist() == [1, 1, 1]
+
+
+def test_two_rows_of_one_config_both_show_its_run(tmp_path: Path) -> None:
+    """A run is matched to every (row, seed) of the grid whose resolved config it has, by run_key;
+    its own row tag (another grid's id, say) does not matter, and an older run of a key loses."""
+    from types import SimpleNamespace
+
+    from sweep.report.runs import current_runs
+
+    grid_file = tmp_path / "g.yaml"
+    grid_file.write_text(MICRO + "  - {id: baseline_again, label: Again}\n")
+    grid = load_grid(grid_file)
+    key = grid.cells("tiny", rows=["baseline"])[0].run_key
+
+    def run(run_id: str, start: int, ppl: float) -> SimpleNamespace:
+        tags = {"row": "elsewhere", "label": "x", "seed": "0", "run_key": key, "status": "finished"}
+        return SimpleNamespace(
+            info=SimpleNamespace(run_id=run_id, start_time=start),
+            data=SimpleNamespace(tags=tags, metrics={"val/ppl/avg": ppl}, params={}),
+        )
+
+    frame = current_runs(grid, "tiny", [run("old", 1, 99.0), run("new", 2, 42.0)])
+    assert sorted(zip(frame["row"], frame["run_id"], frame["val/ppl/avg"])) == [
+        ("baseline", "new", 42.0),
+        ("baseline_again", "new", 42.0),
+    ]
+    assert list(frame["label"]) == ["Baseline", "Again"]
+    table = build_table(grid, "tiny", frame).set_index("id")
+    assert table.loc["baseline_again", "avg_ppl"] == 42.0 and table.loc["baseline_again", "status"] == "ok"

@@ -82,3 +82,57 @@ def test_bf16_training_step_on_cuda(gate: GateConfig | None) -> None:
     loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_each_rank_loads_its_slice_of_every_global_batch() -> None:
+    """Two ranks of a global batch of 4 together see exactly the one-process batches, in order, from
+    the resumed step on; every epoch keeps its length per rank."""
+    from experiments.data import ResumingSampler
+
+    one = list(ResumingSampler(16, start=4))
+    ranks = [list(ResumingSampler(16, start=4, rank=r, world=2, batch_size=4)) for r in (0, 1)]
+    assert ranks == [[4, 5, 8, 9, 12, 13], [6, 7, 10, 11, 14, 15]]
+    per_step = [ranks[0][i : i + 2] + ranks[1][i : i + 2] for i in range(0, 6, 2)]
+    assert [i for step in per_step for i in step] == one
+    assert len(ResumingSampler(16, rank=1, world=2, batch_size=4)) == 8
+    with pytest.raises(ValueError, match="does not split over 3 ranks"):
+        ResumingSampler(16, world=3, batch_size=4)
+
+
+def test_the_global_batch_must_split_over_the_processes() -> None:
+    from experiments.config import ConfigError
+
+    assert TrainConfig(batch_size=8, devices=2, num_nodes=2).world_size == 4
+    with pytest.raises(ConfigError, match="batch_size: the global batch 6 does not split over"):
+        TrainConfig(batch_size=6, devices=4)
+
+
+@pytest.mark.filterwarnings("ignore:You called .self.log:UserWarning")  # no logger: nothing to log to
+def test_the_recipe_trains_a_config_without_the_harness(tmp_path) -> None:
+    """``experiments.train.Training`` alone: a micro gated config trains, validates at its last step,
+    saves its weights, and probes; the step checkpoint lands where it was asked."""
+    from conftest import ROOT
+
+    from experiments.train import Training
+
+    model = ModelConfig(
+        vocab_size=512, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64,
+        max_seq_len=32, gate=GateConfig(position="sdpa"),
+    )  # fmt: skip
+    train = TrainConfig(
+        max_steps=5, batch_size=4, seq_len=32, warmup_steps=1, val_every=3, val_tokens=512, checkpoint_every=4
+    )
+    cfg = RunConfig(model=model, train=train, data=DataConfig(vocab_size=512, max_chars_per_source=200000))
+    run = Training(cfg, cache_root=ROOT / ".cache", checkpoints=tmp_path / "ckpt")
+    assert (run.trainer.num_devices, run.trainer.max_steps) == (1, 5)
+    run.fit()
+    final = run.finish()
+    assert run.step == 5 and run.module.last_val_step == 5  # validated again after the last step
+    domains = [k for k in final if k.startswith("val/ppl/") and k != "val/ppl/avg"]
+    assert final["val/ppl/avg"] == pytest.approx(sum(final[k] for k in domains) / len(domains))
+    assert final["params/total"] == model.param_counts()[0] == final["params/active"]
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["step000004.ckpt"]
+    run.save_weights(tmp_path / "final.ckpt")
+    state = torch.load(tmp_path / "final.ckpt", weights_only=True)["state_dict"]
+    assert set(state) == {f"model.{k}" for k in run.module.model.state_dict()}
+    assert 0 < run.probe().summary["gate/score_mean"] < 1

@@ -16,14 +16,14 @@ from conftest import ROOT, use_repo_cache
 from mlflow import MlflowClient
 from optuna.trial import TrialState
 
-import sweep.storage
+import sweep.studies
 from experiments.lit import LMModule
-from sweep import tune
 from sweep.cli import main
 from sweep.grid import load_grid
-from sweep.storage import make_storage, storage_url
-from sweep.tracking import Tracker, tracking_uri
-from sweep.tune import StepPruningCallback, study_name, tune_row
+from sweep.run import tune
+from sweep.run.tune import StepPruningCallback, study_name, tune_row
+from sweep.store import Tracker, tracking_uri
+from sweep.studies import make_storage, storage_url
 
 TUNE = """\
 name: micro
@@ -92,13 +92,13 @@ def test_a_bad_trial_is_pruned_by_step_and_trials_link_to_their_study_run(setup:
 def test_a_nan_trial_is_recorded_as_diverged_and_the_study_goes_on(
     setup: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    original = LMModule._loss
+    original = LMModule.loss
 
     def planted(self: LMModule, batch, reduction: str = "mean"):
         loss = original(self, batch, reduction)
         return loss * float("nan") if self.training and self.cfg.train.max_lr > 4e-3 else loss
 
-    monkeypatch.setattr(LMModule, "_loss", planted)
+    monkeypatch.setattr(LMModule, "loss", planted)
     _enqueued(setup, [8e-3, 2e-3, 1e-3])
     args = ["tune", "--grid", str(setup["path"]), "--results", str(setup["results"]), "--trials", "3"]
     assert main(args) == 0
@@ -131,7 +131,7 @@ def test_two_workers_on_one_storage_share_the_budget(setup: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")  # ask() simulates the dead worker
 def test_a_dead_workers_trial_is_failed_and_retried(setup: dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sweep.storage, "HEARTBEAT_S", 1)  # grace period 3 s instead of 90 s
+    monkeypatch.setattr(sweep.studies, "HEARTBEAT_S", 1)  # grace period 3 s instead of 90 s
     setup["results"].mkdir()
     storage = make_storage(storage_url(setup["results"], None))
     study = optuna.create_study(

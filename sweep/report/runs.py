@@ -1,0 +1,91 @@
+"""Store queries for the report: the runs that are a grid's current results, as a pandas frame."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from experiments.config import GateConfig, to_dict
+from experiments.names import Status
+from sweep.grid import Grid, Row, run_key
+from sweep.store import Tracker, experiment_name, flatten, tracking_uri
+
+
+def finished_runs(grid: Grid, scale: str, results_dir: Path, seeds: list[int] | None = None) -> pd.DataFrame:
+    """One line per current cell with a result: ``row``, ``seed``, ``run_id``, ``status``
+    (``finished`` or ``diverged``) and every metric of the run.
+
+    A run counts only when its ``run_key`` is the one the grid gives a row and seed today, so
+    runs of an edited grid (or of rows since removed) never mix into the table; of several runs
+    of one key the newest wins. The run may have been trained for another grid (the same cell):
+    its ``row`` and ``label`` here are this grid's. ``seeds`` restricts the seeds (default: every
+    seed found).
+    """
+    tracker = Tracker(
+        tracking_uri(results_dir), experiment_name(grid.name, scale), results_dir / "mlartifacts"
+    )
+    return current_runs(grid, scale, tracker.cell_runs(Status.DONE), seeds)
+
+
+def current_runs(grid: Grid, scale: str, runs: list, seeds: list[int] | None = None) -> pd.DataFrame:
+    """:func:`runs_frame` of the runs that are the grid's current result: for each (row, seed),
+    the newest run whose ``run_key`` is the one the grid gives it today and whose status is a
+    result. Two rows of one config (one ``run_key``) both show its run."""
+    cells: dict[str, list] = {}  # run_key -> the (row, seed) cells of this grid with that key
+    for row in grid.rows:
+        for seed in {int(r.data.tags.get("seed", -1)) for r in runs}:
+            if seed >= 0 and (seeds is None or seed in seeds):
+                cells.setdefault(_key(grid, scale, row, seed), []).append((row, seed))
+    newest = sorted(
+        (r for r in runs if r.data.tags.get("status") in Status.DONE),
+        key=lambda r: r.info.start_time,
+        reverse=True,
+    )
+    current, seen = [], set()
+    for r in newest:
+        key = r.data.tags.get("run_key")
+        if key in seen or key not in cells:
+            continue
+        seen.add(key)
+        current += [(r, row, seed) for row, seed in cells[key]]
+    return runs_frame([r for r, _, _ in current]).assign(
+        row=[row.id for _, row, _ in current],
+        label=[row.label for _, row, _ in current],
+        seed=[seed for _, _, seed in current],
+    )
+
+
+def _key(grid: Grid, scale: str, row: Row, seed: int) -> str:
+    return run_key(grid.resolve(scale, row, seed))
+
+
+FRAME_COLUMNS = ["row", "label", "seed", "run_id", "status", "gate"]
+
+
+def runs_frame(runs: list) -> pd.DataFrame:
+    """MLflow runs (``mlflow.search_runs(..., output_format="list")`` or the client's) as one
+    line per run: ``row``, ``label``, ``seed``, ``run_id``, ``status``, ``gate`` (see
+    :func:`gate_signature`) and every metric under its MLflow key."""
+    records = [
+        {
+            "row": r.data.tags.get("row"),
+            "label": r.data.tags.get("label"),
+            "seed": int(r.data.tags.get("seed", -1)),
+            "run_id": r.info.run_id,
+            "status": r.data.tags.get("status"),
+            "gate": gate_signature(r.data.params),
+            **r.data.metrics,
+        }
+        for r in runs
+    ]
+    return pd.DataFrame.from_records(records, columns=FRAME_COLUMNS if not records else None)
+
+
+def gate_signature(params: dict[str, str] | GateConfig | None) -> str:
+    """A run's gate as one comparable string, from its flattened params (``model.gate.*``) or
+    from a :class:`GateConfig`; ``"none"`` for the ungated baseline."""
+    if params is None or isinstance(params, GateConfig):
+        params = flatten({"model": {"gate": to_dict(params)}})
+    gate = {k.removeprefix("model.gate."): v for k, v in params.items() if k.startswith("model.gate.")}
+    return ",".join(f"{k}={v}" for k, v in sorted(gate.items())) or "none"

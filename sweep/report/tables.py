@@ -1,0 +1,180 @@
+"""Tracking store -> pandas -> the numbers of the paper's tables, beside the paper's own.
+
+Each row of the grid becomes one table row in the grid's order. Several seeds give mean +- std
+(sample std); from three paired seeds on, the difference to the row's reference gets a 95%
+t-interval over the per-seed differences. A row without a finished run shows as missing, never as
+zero; a row whose runs all diverged shows "diverged", as the paper's Table 2 shows "-". Beside
+PPL, the probes (``experiments.probes``) give the gate score, M-Act and F-Attn columns of Table 4,
+and the benchmark scores (``sweep.eval``) their columns.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pandas as pd
+from scipy import stats
+
+from experiments import names as N
+from experiments.names import PROBE_COLUMNS, RowStatus, Status
+from sweep.grid import Grid, Row, paper_csv
+
+
+@dataclass(frozen=True)
+class BenchColumn:
+    """One benchmark column: the task, the metric key shown, and its chance level (NaN: none)."""
+
+    task: str
+    metric: str
+    chance: float = math.nan
+
+    @property
+    def heading(self) -> str:
+        """``mmlu_dev acc (chance 0.250)``; pass@1 has no chance level."""
+        name = f"{self.task.removeprefix('offline_')} {N.bench_metric_name(self.task, self.metric)}"
+        return name + (f" (chance {self.chance:.3f})" if not math.isnan(self.chance) else "")
+
+
+def bench_columns(grid: Grid, runs: pd.DataFrame) -> list[BenchColumn]:
+    """The grid's ``eval.tasks`` as columns over the finished ``runs``: each shows the score its
+    runs logged (``experiments.names.bench_score_key``; ``acc`` before any is) with the chance
+    level the scoring logged."""
+    if "status" in runs.columns:
+        runs = runs[runs["status"] == Status.FINISHED]
+    out = []
+    for task in grid.eval.tasks:
+        metric = N.bench_score_key(task, runs.columns) or N.bench_key(task, "acc")
+        chance_key = N.bench_chance_key(task)
+        chance = float(runs[chance_key].dropna().mean()) if chance_key in runs else math.nan
+        out.append(BenchColumn(task, metric, chance))
+    return out
+
+
+def paper_table(name: str | None) -> pd.DataFrame | None:
+    """The paper's own numbers (``sweep/paper/<name>.csv``), indexed by paper row, or None."""
+    return pd.read_csv(paper_csv(name)).set_index("row") if name else None
+
+
+def paired_delta(row: pd.Series, base: pd.Series) -> tuple[float, float, float, int]:
+    """Mean of per-seed differences ``row - base`` and its 95% t-interval (NaN below 3 pairs).
+
+    Args:
+        row, base: metric values indexed by seed.
+
+    Returns:
+        (mean difference, CI low, CI high, number of pairs).
+    """
+    pairs = pd.concat([row, base], axis=1, join="inner").dropna()
+    if pairs.empty:
+        return math.nan, math.nan, math.nan, 0
+    diff = pairs.iloc[:, 0] - pairs.iloc[:, 1]
+    n, mean = len(diff), float(diff.mean())
+    if n < 3:
+        return mean, math.nan, math.nan, n
+    half = float(stats.t.ppf(0.975, n - 1) * diff.std(ddof=1) / math.sqrt(n))
+    return mean, mean - half, mean + half, n
+
+
+def paper_value(paper: pd.DataFrame | None, row: Row, column: str) -> float:
+    """The paper's ``column`` for ``row`` (by its ``paper_row``), NaN where it has none."""
+    if paper is None or row.paper_row not in paper.index or column not in paper.columns:
+        return math.nan
+    return float(paper.loc[row.paper_row, column])
+
+
+def _paper_note(paper: pd.DataFrame | None, row: Row) -> str:
+    """The paper table's ``note`` for ``row`` (Table 2: "diverged", "converged badly"), else ""."""
+    if paper is None or row.paper_row not in paper.index or "note" not in paper.columns:
+        return ""
+    note = paper.loc[row.paper_row, "note"]
+    return note if isinstance(note, str) else ""
+
+
+def row_parameters(
+    grid: Grid, scale: str, rows: list[str] | None = None
+) -> Iterator[tuple[int, Row, int, int, int]]:
+    """(table row number, row, total, active and added parameters) per grid row (default all);
+    added is against the row's reference (its ``compare_to``, else the baseline row)."""
+    for position, row in enumerate(grid.rows, start=1):
+        if rows and row.id not in rows:
+            continue
+        total, active = grid.resolve(scale, row, 0).model.param_counts()
+        reference = grid.reference_config(scale, row).model.param_counts()[0]
+        yield row.paper_row or position, row, total, active, total - reference
+
+
+def _mean_std(values: pd.Series) -> tuple[float, float]:
+    values = values.dropna()
+    if values.empty:
+        return math.nan, math.nan
+    return float(values.mean()), float(values.std(ddof=1)) if len(values) > 1 else math.nan
+
+
+def _stat(runs: pd.DataFrame | None, metric: str) -> tuple[float, float]:
+    """Mean and sample std of ``metric`` over a row's runs (NaN where absent)."""
+    if runs is None or metric not in runs.columns:
+        return math.nan, math.nan
+    return _mean_std(runs[metric])
+
+
+def _status(finished: bool, n_diverged: int) -> str:
+    if n_diverged and not finished:
+        return RowStatus.DIVERGED
+    if n_diverged:
+        return RowStatus.some_diverged(n_diverged)
+    return RowStatus.OK if finished else RowStatus.NOT_RUN
+
+
+def build_table(grid: Grid, scale: str, runs: pd.DataFrame) -> pd.DataFrame:
+    """The numeric table: one line per grid row, our figures beside the paper's.
+
+    ``runs`` is ``sweep.report.runs.finished_runs``' frame (one line per run: ``row``, ``seed``,
+    ``status`` and the metrics); diverged runs count in ``n_diverged`` only.
+    """
+    paper = paper_table(grid.paper_table)
+    if "status" not in runs.columns:
+        runs = runs.assign(status=Status.FINISHED)
+    diverged = runs[runs["status"] == Status.DIVERGED].groupby("row").size().to_dict()
+    runs = runs[runs["status"] == Status.FINISHED]
+    domains = sorted(d for c in runs.columns if (d := N.domain_of(c)))
+    by_row = {rid: g.set_index("seed") for rid, g in runs.groupby("row")} if len(runs) else {}
+    bench = bench_columns(grid, runs)
+    lines = []
+    for number, row, total, active, added in row_parameters(grid, scale):
+        reference = grid.reference(row)
+        base_runs, mine = by_row.get(reference.id), by_row.get(row.id)
+        line: dict[str, object] = {"row": number, "id": row.id, "label": row.label}
+        line["compare_to"] = reference.id
+        line["added_params_m"] = added / 1e6
+        line["total_params_m"], line["active_params_m"] = total / 1e6, active / 1e6
+        for d in domains:
+            line[f"ppl_{d}"], line[f"ppl_{d}_std"] = _stat(mine, N.val_ppl(d))
+        line["avg_ppl"], line["avg_ppl_std"] = _stat(mine, N.VAL_PPL_AVG)
+        line["n_seeds"] = 0 if mine is None else int(mine[N.VAL_PPL_AVG].notna().sum())
+        line["n_diverged"] = int(diverged.get(row.id, 0))
+        if row.id == reference.id and mine is not None:
+            d, lo, hi = 0.0, math.nan, math.nan  # the reference itself: no interval to speak of
+        elif mine is not None and base_runs is not None:
+            d, lo, hi, _ = paired_delta(mine[N.VAL_PPL_AVG], base_runs[N.VAL_PPL_AVG])
+        else:
+            d = lo = hi = math.nan
+        line["delta_avg_ppl"], line["delta_ci95_low"], line["delta_ci95_high"] = d, lo, hi
+        for column, spec in PROBE_COLUMNS.items():
+            line[column], line[f"{column}_std"] = _stat(mine, spec.metric)
+        for b in bench:
+            key = f"bench_{b.task}"
+            line[key], line[f"{key}_std"] = _stat(mine, b.metric)
+            scored = mine is not None and b.metric in mine
+            line[f"{key}_n"] = int(mine[b.metric].notna().sum()) if scored else 0
+        line["paper_added_params_m"] = paper_value(paper, row, "added_params_m")
+        line["paper_avg_ppl"] = paper_value(paper, row, "avg_ppl")
+        line["paper_delta"] = line["paper_avg_ppl"] - paper_value(paper, reference, "avg_ppl")
+        line["paper_note"] = _paper_note(paper, row)
+        for column, spec in PROBE_COLUMNS.items():
+            if spec.in_paper:
+                line[f"paper_{column}"] = paper_value(paper, row, column)
+        line["status"] = _status(mine is not None, line["n_diverged"])
+        lines.append(line)
+    return pd.DataFrame(lines)

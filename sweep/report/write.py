@@ -1,0 +1,48 @@
+"""``make tables``: the table files and figures of one grid at one scale, from the tracking store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sweep.grid import Grid
+from sweep.report.display import display_table, markdown
+from sweep.report.figures import write_figures
+from sweep.report.runs import finished_runs
+from sweep.report.tables import bench_columns, build_table
+from sweep.store import Tracker, experiment_name, tracking_uri
+
+
+def table_paths(grid: Grid, scale: str, results_dir: Path) -> dict[str, Path]:
+    """``results/<grid>.{md,csv,tex}`` at the default ``tiny`` scale, ``<grid>_<scale>.*`` otherwise."""
+    stem = grid.name if scale == "tiny" else f"{grid.name}_{scale}"
+    return {ext: results_dir / f"{stem}.{ext}" for ext in ("md", "csv", "tex")}
+
+
+def write_tables(
+    grid: Grid, scale: str, results_dir: Path, command: str, seeds: list[int] | None = None
+) -> dict[str, Path]:
+    """Write the table files and the figures (``results/figures/``) from the tracking store,
+    each file replaced atomically; both also go to the experiment's ``report`` run as artifacts.
+
+    Returns:
+        The written paths by extension (tables) and by name (figures).
+    """
+    runs = finished_runs(grid, scale, results_dir, seeds)
+    table = build_table(grid, scale, runs)
+    shown = display_table(table, grid.columns, bench_columns(grid, runs))
+    paths = table_paths(grid, scale, results_dir)
+    _write_atomic(paths["md"], markdown(grid, scale, table, shown, command))
+    _write_atomic(paths["csv"], table.to_csv(index=False, float_format="%.6g"))
+    _write_atomic(paths["tex"], shown.to_latex(index=False, escape=True))
+    tracker = Tracker(tracking_uri(results_dir), experiment_name(grid.name, scale))
+    figures = write_figures(runs, tracker.client, results_dir / "figures", paths["md"].stem)
+    report = tracker.report_run()
+    tracker.log_files(report, list(paths.values()), "tables")
+    tracker.log_files(report, list(figures.values()), "figures")
+    return {**paths, **figures}
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)

@@ -1,0 +1,92 @@
+"""One cell into one MLflow run: the training recipe (``experiments.train``) with the harness's
+logger, checkpoints and artifacts around it."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import lightning.pytorch as pl
+
+from experiments import names as N
+from experiments.checkpointing import FINAL_CHECKPOINT
+from experiments.train import Training
+from sweep.grid import Cell
+from sweep.run.progress import ProgressPrinter
+from sweep.run.resume import ResumingMLFlowLogger
+from sweep.store import Tracker, user_tracking_env
+
+
+def checkpoint_dir(results_dir: Path, experiment: str, run_id: str) -> Path:
+    """Where one run's checkpoints live: ``results/checkpoints/<experiment>/<run_id>/``.
+
+    Per run, not per cell: a FORCE retrain never touches the checkpoint of the result it may
+    replace."""
+    return results_dir / "checkpoints" / experiment / run_id
+
+
+def train_cell(
+    cell: Cell,
+    tracker: Tracker,
+    run_id: str,
+    reference_params: int,
+    progress: ProgressPrinter,
+    cache_root: Path | None,
+    checkpoints: Path,
+    extra_callbacks: list[pl.Callback] | None = None,
+    resume_from: Path | None = None,
+    replayed: dict[str, int] | None = None,
+) -> dict[str, float]:
+    """Train one cell into MLflow run ``run_id``, probe it, and return its final metrics.
+
+    Beside what :class:`~experiments.lit.LMModule` logs while training, logs ``params/total``,
+    ``params/active`` and ``params/added`` (total against the row's reference at this scale,
+    ``reference_params``), ``stability/loss_spikes`` with a ``stability.json`` artifact (the spike
+    steps), and the probes of ``experiments.probes`` (metrics at the last step, ``probes/``
+    artifacts). The training state is checkpointed every ``train.checkpoint_every`` steps into
+    ``checkpoints``; a finished cell also gets ``final.ckpt`` (its weights) before probing, and the
+    caller removes the step files once the result is recorded. A probe that fails (out of memory,
+    say) leaves a finished run without probe metrics and a ``probe_error`` tag.
+
+    ``extra_callbacks`` join the trainer's (the LR search's pruning callback, say); whatever they
+    raise ends the cell and propagates. ``resume_from`` continues from a training checkpoint
+    (``step<N>.ckpt``); ``replayed`` (metric key -> highest step already in the run) keeps the
+    replayed steps from being logged twice.
+
+    Raises:
+        experiments.stability.Diverged: the loss diverged; the last periodic checkpoint stays.
+    """
+    with user_tracking_env():  # Lightning's logger rewrites MLFLOW_TRACKING_URI
+        logger = ResumingMLFlowLogger(
+            replayed, experiment_name=tracker.experiment, tracking_uri=tracker.uri, run_id=run_id
+        )
+        run = Training(
+            cell.config,
+            cache_root,
+            logger=logger,
+            callbacks=[progress, *(extra_callbacks or [])],
+            checkpoints=checkpoints,
+        )
+        tracker.log_json(run_id, run.probe_record, "probe_batch.json")
+        tracker.client.set_tag(run_id, "probe_sha256", run.probe_record["sha256"])
+        try:
+            run.fit(resume_from)
+        finally:  # diverged or not, the spikes seen so far are data
+            tracker.log_metrics(run_id, {N.LOSS_SPIKES: len(run.spikes)}, step=run.step)
+            spikes = [{"step": s, "loss": v} for s, v in run.spikes]
+            tracker.log_json(run_id, {"rule": run.spike_rule(), "spikes": spikes}, "stability.json")
+        final = run.finish()
+        final[N.PARAMS_ADDED] = final[N.PARAMS_TOTAL] - reference_params
+        tracker.log_metrics(run_id, {k: final[k] for k in (N.PARAMS_TOTAL, N.PARAMS_ACTIVE, N.PARAMS_ADDED)})
+        run.save_weights(checkpoints / FINAL_CHECKPOINT)
+        tracker.client.set_tag(run_id, "checkpoint", str(checkpoints / FINAL_CHECKPOINT))
+        try:
+            probes = run.probe()
+        except (RuntimeError, ValueError) as err:  # torch reports out-of-memory as a RuntimeError
+            tracker.client.set_tag(run_id, "probe_error", f"{type(err).__name__}: {err}"[:5000])
+            return final
+        tracker.log_metrics(run_id, probes.metrics(), step=run.step)
+        with tempfile.TemporaryDirectory() as tmp:
+            tracker.log_files(run_id, probes.save(Path(tmp)), "probes")
+        final.update(probes.summary)
+        return final

@@ -1,0 +1,311 @@
+"""Several workers on one grid, on one machine or many: Optuna's RDB storage as the work queue.
+
+``make sweep WORKERS=N`` (``python -m sweep.cli sweep --workers N``) is the driver:
+
+1. It checks the tracking store, builds the corpora and creates the MLflow experiment, before any
+   worker starts (two workers creating one SQLite store at once can fail).
+2. It enqueues, as a WAITING trial of the study ``cells-<scale>`` (one queue for every grid of a
+   scale), each cell that has no result yet (every cell with ``--force``) and no WAITING or
+   RUNNING trial already. The cell is named by the trial's user attributes (``run_key``, ``row``,
+   ``seed``, ``force``).
+3. It starts N worker processes (``python -m sweep.cli worker``) and waits for them, then
+   summarises and writes the tables.
+
+A worker pops WAITING trials one at a time with Optuna's own check-and-set
+(``set_trial_state_values(RUNNING)`` succeeds for exactly one process), beats a heartbeat while
+it trains the cell with the sequential sweep's ``run_cell`` (so a cell that died resumes from its
+checkpoint in its own MLflow run), and records the outcome on the trial. A worker that dies stops
+beating; after three heartbeats the next worker that looks fails its trial and Optuna's
+``RetryHeartbeatStaleTrialCallback`` enqueues a copy, which another worker takes over. Workers
+leave when nothing is WAITING or RUNNING.
+
+Each cell is trained once: a popped trial defers to an older WAITING or RUNNING trial of the same
+cell (two drivers that enqueued it at the same moment), and a cell with a result is skipped. On
+many machines every machine runs the same ``make sweep`` with ``MLFLOW_TRACKING_URI`` and
+``STORAGE`` pointing at the shared servers (docs/resuming.md, "Many workers").
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from experiments.names import Outcome
+from sweep.grid import Cell, Grid
+from sweep.run.interrupt import StopRequest
+from sweep.run.progress import SweepClock
+from sweep.run.resume import worker_name
+from sweep.run.runner import CellResult, SweepContext, prepare_sweep, run_cell
+from sweep.studies import make_storage
+
+POLL_S = 2.0  # how often an idle worker looks for work or for a dead worker's cell
+MAX_RETRY = 3  # takeovers of one cell before it is left failed (a cell that kills its worker)
+IN_FLIGHT = (TrialState.WAITING, TrialState.RUNNING)
+CELL_ATTRS = ("run_key", "row", "seed", "force")  # a queue trial's user attributes name its cell
+
+
+def queue_name(scale: str) -> str:
+    """The queue study of a scale, e.g. ``cells-tiny``: one for every grid, so a cell two grids
+    share (the same ``run_key``) is queued, and trained, once."""
+    return f"cells-{scale}"
+
+
+@dataclass
+class Queue:
+    """The queue study and the storage calls that address its trials by id."""
+
+    study: optuna.Study
+    storage: optuna.storages.RDBStorage
+    study_id: int
+
+    def trial_id(self, trial: FrozenTrial) -> int:
+        return self.storage.get_trial_id_from_study_id_trial_number(self.study_id, trial.number)
+
+    def in_flight(self) -> list[FrozenTrial]:
+        return self.study.get_trials(deepcopy=False, states=IN_FLIGHT)
+
+
+def open_queue(scale: str, url: str, heartbeat_s: int) -> Queue:
+    """Create (or load) the queue study of ``scale`` in the RDB storage at ``url``."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = make_storage(url, heartbeat_s, max_retry=MAX_RETRY)
+    name = queue_name(scale)
+    study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True)
+    return Queue(study, storage, storage.get_study_id_from_name(name))
+
+
+def enqueue_cells(queue: Queue, cells: list[Cell], ctx: SweepContext, force: bool) -> dict[str, int]:
+    """Enqueue the runnable cells that need training and are not queued already.
+
+    Returns:
+        For each cell this sweep waits for (enqueued now, or already in flight), the number of
+        its first trial that counts for this sweep.
+    """
+    first_new = len(queue.study.get_trials(deepcopy=False))
+    in_flight: dict[str, int] = {}
+    for t in queue.in_flight():
+        key = t.user_attrs.get("run_key")
+        in_flight[key] = min(t.number, in_flight.get(key, t.number))
+    wanted: dict[str, int] = {}
+    for cell in cells:
+        if cell.run_key in wanted or (not force and ctx.tracker.done_run(cell.run_key) is not None):
+            continue
+        wanted[cell.run_key] = in_flight.get(cell.run_key, first_new)
+        if cell.run_key not in in_flight:
+            attrs = dict(zip(CELL_ATTRS, (cell.run_key, cell.row.id, cell.seed, force)))
+            queue.study.enqueue_trial({}, user_attrs=attrs)
+    return wanted
+
+
+class Heartbeat:
+    """Records the trial's heartbeat every ``interval`` seconds in a thread, while entered."""
+
+    def __init__(self, storage: optuna.storages.RDBStorage, trial_id: int, interval: float) -> None:
+        self.storage, self.trial_id, self.interval = storage, trial_id, interval
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True)
+
+    def _beat(self) -> None:
+        while True:
+            try:
+                self.storage.record_heartbeat(self.trial_id)
+            except Exception as err:  # a dropped connection must not end the heartbeat for good
+                warnings.warn(f"heartbeat of trial {self.trial_id} failed, retrying: {err}", stacklevel=1)
+            if self._done.wait(self.interval):
+                return
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def pop_cell(queue: Queue, known: set[str]) -> FrozenTrial | None:
+    """Take one WAITING trial of a cell in ``known`` (set it RUNNING); None when there is none.
+
+    ``set_trial_state_values(RUNNING)`` returns False for every process but the first, so one
+    trial goes to exactly one worker (the same check-and-set as ``Study.ask``). Its first
+    heartbeat is recorded at once: Optuna never fails a RUNNING trial that has none."""
+    for trial in queue.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+        if trial.user_attrs.get("run_key") not in known:  # a cell of another version of the grid
+            continue
+        trial_id = queue.trial_id(trial)
+        try:
+            if queue.storage.set_trial_state_values(trial_id, state=TrialState.RUNNING):
+                queue.storage.record_heartbeat(trial_id)
+                return trial
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue
+    return None
+
+
+def older_twin(queue: Queue, trial: FrozenTrial) -> FrozenTrial | None:
+    """An older WAITING or RUNNING trial of the same cell: that one trains it, not ``trial``."""
+    key = trial.user_attrs["run_key"]
+    return next(
+        (t for t in queue.in_flight() if t.number < trial.number and t.user_attrs.get("run_key") == key),
+        None,
+    )
+
+
+def record(
+    queue: Queue, trial: FrozenTrial, outcome: str, note: str = "", avg_ppl: float | None = None
+) -> bool:
+    """Store the outcome (and the Avg PPL, as the trial's value) on the trial and end it:
+    COMPLETE for a result, FAIL for a failed or killed cell. A killed cell (Ctrl-C, a
+    pre-empted machine) goes straight back into the queue, for any worker still running.
+
+    Returns False when the trial was no longer this worker's: its heartbeat lapsed and another
+    worker failed it (and took the cell over)."""
+    trial_id = queue.trial_id(trial)
+    state = TrialState.COMPLETE if outcome in Outcome.RESULTS else TrialState.FAIL
+    try:
+        queue.storage.set_trial_user_attr(trial_id, "outcome", outcome)
+        queue.storage.set_trial_user_attr(trial_id, "worker", worker_name())
+        if note:
+            queue.storage.set_trial_user_attr(trial_id, "note", note[:2000])
+        values = [avg_ppl] if avg_ppl is not None else None
+        queue.storage.set_trial_state_values(trial_id, state=state, values=values)
+    except optuna.exceptions.UpdateFinishedTrialError:
+        return False
+    if outcome == Outcome.KILLED:
+        queue.study.enqueue_trial({}, user_attrs={k: trial.user_attrs[k] for k in CELL_ATTRS})
+    return True
+
+
+def run_worker(
+    grid: Grid,
+    cells: list[Cell],
+    results_dir: Path,
+    url: str,
+    heartbeat_s: int,
+    cache_root: Path | None,
+    stop: StopRequest,
+    out: Callable[[str], None] = print,
+    poll_s: float = POLL_S,
+) -> list[CellResult]:
+    """Pop and train cells of ``cells`` until the queue has none WAITING or RUNNING, or a signal
+    arrives. Returns the outcomes of the cells this worker took."""
+    scale = cells[0].scale
+    ctx = prepare_sweep(grid, cells, results_dir, cache_root, stop, out)
+    queue = open_queue(scale, url, heartbeat_s)
+    stop.arm()
+    by_key: dict[str, Cell] = {}  # the first cell of each config, as the driver enqueued it
+    for cell in cells:
+        by_key.setdefault(cell.run_key, cell)
+    clock = SweepClock(len(by_key))
+    me = worker_name()
+    outcomes: list[CellResult] = []
+    while stop.signum is None:
+        optuna.storages.fail_stale_trials(queue.study)  # a dead worker's cell goes back as WAITING
+        trial = pop_cell(queue, set(by_key))
+        if trial is None:
+            if not any(t.user_attrs.get("run_key") in by_key for t in queue.in_flight()):
+                break
+            time.sleep(poll_s)
+            continue
+        cell = by_key[trial.user_attrs["run_key"]]
+        prefix = f"[{me}] {cell.row.id} s{cell.seed}"
+        if stop.signum is not None:  # the signal came while popping: give the cell back
+            record(queue, trial, Outcome.KILLED, "not started: the worker was interrupted")
+            break
+        twin = older_twin(queue, trial)
+        if twin is not None:
+            record(queue, trial, Outcome.DUPLICATE, f"trial {twin.number} has this cell")
+            continue
+        with Heartbeat(queue.storage, queue.trial_id(trial), heartbeat_s):
+            outcome = run_cell(cell, ctx, prefix, clock, force=bool(trial.user_attrs.get("force")))
+        if not record(queue, trial, outcome.status, outcome.note, outcome.avg_ppl):
+            out(f"{prefix}: trial {trial.number} was taken over after its heartbeat lapsed")
+        outcomes.append(outcome)
+    return outcomes
+
+
+def run_queued_sweep(
+    grid: Grid,
+    cells: list[Cell],
+    results_dir: Path,
+    workers: int,
+    url: str,
+    worker_args: list[str],
+    heartbeat_s: int,
+    force: bool,
+    cache_root: Path | None,
+    stop: StopRequest,
+    out: Callable[[str], None] = print,
+) -> list[CellResult]:
+    """The driver: prepare, enqueue, start ``workers`` processes, wait, and return one
+    :class:`CellResult` per cell (read back from the queue).
+
+    ``worker_args`` are the ``sweep.cli worker`` arguments that name the same grid, scale, seeds,
+    rows, results folder and storage. SIGINT and SIGTERM reach the workers (SIGTERM is forwarded),
+    each saves its cell and marks it killed; the driver waits for them.
+    """
+    ctx = prepare_sweep(grid, cells, results_dir, cache_root, stop, out)
+    queue = open_queue(cells[0].scale, url, heartbeat_s)
+    wanted = enqueue_cells(queue, cells, ctx, force)
+    stop.arm()
+    unique = len({c.run_key for c in cells})
+    out(
+        f"sweep {grid.name} at scale {cells[0].scale}: {len(cells)} cells, {len(wanted)} queued for "
+        f"{workers} workers, {unique - len(wanted)} finished earlier; "
+        f"queue {queue_name(cells[0].scale)} in {url}"
+    )
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    command = [sys.executable, "-m", "sweep.cli", "worker", *worker_args, "--threads", str(threads)]
+    procs = [subprocess.Popen(command) for _ in range(workers if wanted and stop.signum is None else 0)]
+    forwarded = False
+    while any(p.poll() is None for p in procs):
+        if stop.signum is not None and not forwarded:
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            forwarded = True
+        time.sleep(0.2)
+    for i, p in enumerate(procs):
+        if p.returncode not in (0, 1, 130, 143):
+            out(f"worker {i} (pid {p.pid}) exited with status {p.returncode}")
+    return queue_outcomes(queue, cells, wanted, ctx)
+
+
+def queue_outcomes(
+    queue: Queue, cells: list[Cell], wanted: dict[str, int], ctx: SweepContext
+) -> list[CellResult]:
+    """One outcome per cell: skipped (a result before this sweep), or the last
+    outcome a worker recorded on one of its trials from ``wanted[run_key]`` on (trial numbers,
+    not clocks: the workers may be on other machines)."""
+    last: dict[str, FrozenTrial] = {}
+    for t in queue.study.get_trials(deepcopy=False):  # in trial-number order
+        key, recorded = t.user_attrs.get("run_key"), t.user_attrs.get("outcome")
+        if key in wanted and recorded and recorded != Outcome.DUPLICATE and t.number >= wanted[key]:
+            last[key] = t
+    queued = set(wanted)
+    outcomes = []
+    for cell in cells:
+        if cell.run_key not in queued:
+            outcomes.append(CellResult(cell, Outcome.SKIPPED, note="finished earlier"))
+        elif cell.run_key in last:
+            t = last[cell.run_key]
+            outcomes.append(CellResult(cell, t.user_attrs["outcome"], note=t.user_attrs.get("note", "")))
+        elif ctx.tracker.done_run(cell.run_key) is not None:
+            outcomes.append(CellResult(cell, Outcome.SKIPPED, note="finished by another sweep"))
+        elif ctx.stop.signum is not None:
+            outcomes.append(CellResult(cell, Outcome.KILLED, note="not started: the sweep was interrupted"))
+        else:
+            note = "no worker finished it (see the workers' output)"
+            outcomes.append(CellResult(cell, Outcome.FAILED, note=note))
+    return outcomes

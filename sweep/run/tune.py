@@ -1,0 +1,243 @@
+"""Optuna learning-rate search: one study per grid row, each trial one MLflow child run.
+
+The paper claims SDPA gating trains stably at larger learning rates (Table 2 rows 5-14). A study
+samples ``train.max_lr`` log-uniformly with a seeded TPE sampler, or walks a fixed ladder with
+the grid sampler; its objective is the final validation Avg PPL (lower is better).
+
+- **Pruning by step**: :class:`StepPruningCallback` reports ``val/loss`` at the trainer's global
+  step after every validation, so a single-epoch LM run reports several times (Optuna's
+  Lightning callback reports per epoch and never prunes here); a median pruner decides, from
+  the third trial on and never in the first third of training.
+- **Divergence is data**: a diverged trial is recorded as PRUNED with the user attribute
+  ``diverged`` (its reason), and the study goes on. Other errors mark the trial FAIL and the
+  study goes on too.
+- **Storage**: ``results/optuna.db`` (SQLite, one machine) unless ``STORAGE`` names a PostgreSQL
+  or MySQL URL that many workers share. A rerun continues the study: only the trials still
+  missing from the budget run. A heartbeat fails the trials of dead workers and retries them once.
+- **MLflow**: experiment ``<grid>-<scale>-lr``; one parent run per study (tag ``kind=study``),
+  one child per trial (tag ``mlflow.parentRunId``, ``trial``, ``trial_state``); the parent gets
+  ``best/max_lr`` and ``best/avg_ppl``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import optuna
+from optuna.trial import TrialState
+
+from experiments import names as N
+from experiments.checkpointing import drop_step_checkpoints
+from experiments.names import Kind, Status, TrialOutcome
+from experiments.stability import Diverged
+from sweep.grid import Cell, Grid, Row, run_key
+from sweep.run.cell import checkpoint_dir, train_cell
+from sweep.run.progress import ProgressPrinter, SweepClock
+from sweep.run.runner import quiet_lightning
+from sweep.store import Tracker, tracking_uri
+from sweep.studies import DIVERGED_ATTR, make_storage, storage_url, trial_outcome
+
+COUNTED = (TrialState.COMPLETE, TrialState.PRUNED)  # trials that use up the budget
+
+
+class StepPruningCallback(pl.Callback):
+    """Reports the validation loss to ``trial`` at ``trainer.global_step`` after each validation
+    and raises :class:`optuna.TrialPruned` when the pruner says so, except at the last step: a
+    trial that has trained to the end is kept.
+
+    Args:
+        trial: the running trial.
+        monitor: the key of ``LMModule.last_val`` to report (default ``val/loss``, nats).
+    """
+
+    def __init__(self, trial: optuna.Trial, monitor: str = N.VAL_LOSS) -> None:
+        self.trial, self.monitor = trial, monitor
+        self.reported: list[int] = []
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or self.monitor not in pl_module.last_val:
+            return
+        step = trainer.global_step
+        if step in self.reported:  # the post-fit validation repeats the last step
+            return
+        self.trial.report(pl_module.last_val[self.monitor], step)
+        self.reported.append(step)
+        if step < trainer.max_steps and self.trial.should_prune():  # a finished run is kept
+            raise optuna.TrialPruned(f"pruned at step {step}")
+
+
+def study_name(grid: Grid, scale: str, row: Row, ladder: bool = False) -> str:
+    """``<grid>-<scale>-<row>``, e.g. ``table1-tiny-baseline``; ``-ladder`` appended for a fixed
+    ladder (another sampler, so another study)."""
+    return f"{grid.name}-{scale}-{row.id}" + ("-ladder" if ladder else "")
+
+
+def trial_cell(grid: Grid, scale: str, row: Row, lr: float, seed: int = 0) -> Cell:
+    """The row's cell with ``train.max_lr = lr`` (``min_lr`` lowered to ``lr`` if above it)."""
+    cfg = grid.resolve(scale, row, seed)
+    train = dataclasses.replace(cfg.train, max_lr=lr, min_lr=min(cfg.train.min_lr, lr))
+    cfg = dataclasses.replace(cfg, train=train)
+    return Cell(grid.name, scale, row, seed, cfg, run_key(cfg))
+
+
+def _unvisited(study: optuna.Study, ladder: list[float]) -> list[float]:
+    """Rungs of ``ladder`` with no complete or pruned trial yet.
+
+    Raises:
+        ValueError: the study already holds trials of another ladder.
+    """
+    tried = {t.params["max_lr"] for t in study.get_trials(deepcopy=False) if "max_lr" in t.params}
+    if tried - set(ladder):
+        raise ValueError(f"study {study.study_name} was run with another ladder: {sorted(tried)}")
+    done = {t.params["max_lr"] for t in study.get_trials(deepcopy=False, states=COUNTED)}
+    return [lr for lr in ladder if lr not in done]
+
+
+def _sampler(ladder: list[float] | None, seed: int) -> optuna.samplers.BaseSampler:
+    if ladder:
+        return optuna.samplers.GridSampler({"max_lr": ladder}, seed=seed)
+    return optuna.samplers.TPESampler(seed=seed)
+
+
+def tune_row(
+    grid: Grid,
+    scale: str,
+    row: Row,
+    trials: int,
+    results_dir: Path,
+    storage: str | None = None,
+    lr_range: tuple[float, float] = (1e-4, 1e-2),
+    ladder: list[float] | None = None,
+    cache_root: Path | None = None,
+    out=print,
+) -> optuna.Study:
+    """Run (or continue) the row's study until ``trials`` trials are complete or pruned.
+
+    Returns:
+        The study.
+    """
+    quiet_lightning()
+    name = study_name(grid, scale, row, ladder=bool(ladder))
+    url = storage_url(results_dir, storage)
+    study = optuna.create_study(
+        study_name=name,
+        storage=make_storage(url),
+        # Never within the first third of training: early losses mostly reflect the warmup ramp.
+        pruner=optuna.pruners.MedianPruner(
+            n_startup_trials=2, n_warmup_steps=grid.resolve(scale, row, 0).train.max_steps // 3
+        ),
+        direction="minimize",
+        load_if_exists=True,
+    )
+    tracker = Tracker(tracking_uri(results_dir), f"{grid.name}-{scale}-lr", results_dir / "mlartifacts")
+    parent = tracker.named_run(name, {"kind": Kind.STUDY, "optuna_study": name})
+    done = len(study.get_trials(deepcopy=False, states=COUNTED))
+    todo = max(0, trials - done)
+    # The sampler is set once the study's size is known: a fresh study draws with seed 0
+    # (reproducible), a resumed one with its trial count, so a rerun does not propose again the
+    # LRs it already tried.
+    study.sampler = _sampler(ladder, seed=len(study.get_trials(deepcopy=False)))
+    if ladder:
+        todo = min(todo, len(_unvisited(study, ladder)))
+    shown = url.split("@")[-1] if "@" in url else url  # never print a password
+    out(f"study {name}: {done} of {trials} trials done, {todo} to run; storage {shown}")
+    clock = SweepClock(todo)
+
+    def objective(trial: optuna.Trial) -> float:
+        lr = (
+            trial.suggest_float("max_lr", *lr_range, log=True)
+            if not ladder
+            else trial.suggest_categorical("max_lr", ladder)
+        )
+        cell = trial_cell(grid, scale, row, lr)
+        child = tracker.start_cell(
+            cell,
+            extra_tags={
+                "kind": Kind.TRIAL,
+                "mlflow.parentRunId": parent,
+                "optuna_study": name,
+                "trial": str(trial.number),
+            },
+        )
+        trial.set_user_attr("mlflow_run_id", child)
+        prefix = f"[{name} #{trial.number}] lr {lr:.2e}"
+        started = time.perf_counter()
+        checkpoints = checkpoint_dir(results_dir, tracker.experiment, child)
+        try:
+            final = train_cell(
+                cell,
+                tracker,
+                child,
+                0,
+                ProgressPrinter(prefix, clock, out),
+                cache_root,
+                checkpoints,
+                [StepPruningCallback(trial)],
+            )
+        except optuna.TrialPruned as err:
+            _close(tracker, child, Status.FINISHED, TrialOutcome.PRUNED, str(err))
+            drop_step_checkpoints(checkpoints)  # a pruned trial is never resumed
+            out(f"{prefix} pruned: {err}")
+            raise
+        except Diverged as err:  # a result: the LR was too large; pruned, with the reason kept
+            trial.set_user_attr(DIVERGED_ATTR, str(err))
+            _close(tracker, child, Status.DIVERGED, TrialOutcome.PRUNED, str(err))
+            out(f"{prefix} diverged: {err}")
+            raise optuna.TrialPruned(f"diverged: {err}") from None
+        except BaseException as err:  # Ctrl-C included: Optuna marks the trial FAIL, so does MLflow
+            _close(tracker, child, Status.FAILED, TrialOutcome.FAIL, f"{type(err).__name__}: {err}")
+            raise
+        finally:
+            clock.cell_done(time.perf_counter() - started)
+        value = final[N.VAL_PPL_AVG]
+        _close(tracker, child, Status.FINISHED, TrialOutcome.COMPLETE, None)
+        drop_step_checkpoints(checkpoints)
+        out(f"{prefix} done: Avg PPL {value:.2f}")
+        return value
+
+    if todo:
+        study.optimize(
+            objective,
+            n_trials=todo,
+            catch=(Exception,),
+            callbacks=[optuna.study.MaxTrialsCallback(trials, states=(*COUNTED, TrialState.RUNNING))],
+        )
+    _close_orphans(study, tracker)
+    _summarise(study, tracker, parent)
+    return study
+
+
+def _close(tracker: Tracker, run_id: str, status: str, trial_state: str, note: str | None) -> None:
+    tracker.client.set_tag(run_id, "trial_state", trial_state)
+    tracker.finish(run_id, status, note)
+
+
+def unretried_failures(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """FAIL trials that no later trial retried (the heartbeat's retry names its ``failed_trial``)."""
+    trials = study.get_trials(deepcopy=False)
+    retried = {t.system_attrs.get("failed_trial") for t in trials}
+    return [t for t in trials if t.state == TrialState.FAIL and t.number not in retried]
+
+
+def _close_orphans(study: optuna.Study, tracker: Tracker) -> None:
+    """Child runs of trials that Optuna failed without us (a dead worker's) are closed as failed."""
+    for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)):
+        run_id = t.user_attrs.get("mlflow_run_id")
+        if run_id and tracker.client.get_run(run_id).info.status == "RUNNING":
+            note = "the worker died; the heartbeat failed the trial"
+            _close(tracker, run_id, Status.FAILED, TrialOutcome.FAIL, note)
+
+
+def _summarise(study: optuna.Study, tracker: Tracker, parent: str) -> None:
+    """Best LR and trial counts on the study's parent run."""
+    trials = study.get_trials(deepcopy=False)
+    states = [trial_outcome(t) for t in trials]
+    counts = {key: states.count(state) for state, key in TrialOutcome.COUNT_KEYS.items()}
+    if TrialOutcome.COMPLETE in states:
+        counts[N.BEST_MAX_LR] = study.best_params["max_lr"]
+        counts[N.BEST_AVG_PPL] = study.best_value
+    tracker.log_metrics(parent, counts)
+    tracker.client.set_terminated(parent, "FINISHED")

@@ -1,0 +1,258 @@
+"""MLflow glue shared by running, reporting and scoring: explicit store URIs, one experiment per
+(grid, scale), one run per cell.
+
+Default store: SQLite at ``results/mlflow.db`` with artifacts under ``results/mlartifacts``
+(never the deprecated file store); ``MLFLOW_TRACKING_URI`` overrides it (e.g. a tracking server
+on PostgreSQL for many machines). A cell's run is found by its ``run_key`` in any experiment of
+the store, so a cell two grids share is trained once and both grids' tables read it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from experiments.config import to_dict
+from experiments.names import Kind, Status
+from sweep.grid import Cell
+
+_MLFLOW_END = {Status.FINISHED: "FINISHED", Status.DIVERGED: "FINISHED", Status.KILLED: "KILLED"}
+
+
+class TrackingError(RuntimeError):
+    """The tracking store cannot be reached or written."""
+
+
+@contextlib.contextmanager
+def user_tracking_env() -> Iterator[None]:
+    """Put ``MLFLOW_TRACKING_URI`` back as it was on leaving. MLflow's ``set_tracking_uri`` (which
+    Lightning's logger calls) writes the store it is given into the environment, so without this a
+    later sweep in the same process would read the last store used, not the user's setting."""
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = before
+
+
+def tracking_uri(results_dir: Path) -> str:
+    """``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<results_dir>/mlflow.db`` (absolute)."""
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    return f"sqlite:///{(results_dir / 'mlflow.db').resolve()}"
+
+
+def experiment_name(grid: str, scale: str) -> str:
+    """One experiment per grid and scale, e.g. ``table1-tiny``."""
+    return f"{grid}-{scale}"
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """``{"model": {"gate": {"position": "sdpa"}}}`` -> ``{"model.gate.position": "sdpa"}``."""
+    out: dict[str, str] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{name}."))
+        else:
+            out[name] = (
+                "none"
+                if value is None
+                else ",".join(map(str, value))
+                if isinstance(value, list)
+                else str(value)
+            )
+    return out
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"
+
+
+def check_reachable(uri: str, timeout_s: float = 10.0) -> None:
+    """Fail fast on a tracking server that does not answer (MLflow's own client retries for
+    minutes) or a SQLite store whose folder does not exist.
+
+    Raises:
+        TrackingError: with the URI and the reason, one line.
+    """
+    if uri.startswith(("http://", "https://")):
+        import requests
+
+        try:
+            requests.get(f"{uri.rstrip('/')}/health", timeout=timeout_s)
+        except requests.RequestException as err:
+            raise TrackingError(f"tracking store {uri} is not reachable: {type(err).__name__}") from None
+    elif uri.startswith("sqlite:///"):
+        folder = Path(uri.removeprefix("sqlite:///")).parent
+        if not folder.is_dir():
+            raise TrackingError(f"tracking store {uri} is not usable: folder {folder} does not exist")
+
+
+class Tracker:
+    """Thin wrapper over ``MlflowClient`` for one experiment.
+
+    Args:
+        uri: tracking URI (see :func:`tracking_uri`).
+        experiment: experiment name; created if missing (by the sweep driver, before any worker).
+        artifact_root: where a new experiment stores artifacts when the store is local SQLite.
+
+    Raises:
+        TrackingError: the store is unreachable or rejects the experiment.
+    """
+
+    def __init__(self, uri: str, experiment: str, artifact_root: Path | None = None) -> None:
+        from mlflow import MlflowClient
+
+        self.uri = uri
+        check_reachable(uri)
+        try:
+            self.client = MlflowClient(tracking_uri=uri)
+            found = self.client.get_experiment_by_name(experiment)
+            if found is None:
+                location = None
+                if uri.startswith("sqlite:") and artifact_root is not None:
+                    location = (artifact_root / experiment).resolve().as_uri()
+                try:
+                    self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
+                except Exception:  # another driver created it a moment ago
+                    found = self.client.get_experiment_by_name(experiment)
+                    if found is None:
+                        raise
+            if found is not None:
+                self.experiment_id = found.experiment_id
+        except Exception as err:  # MLflow raises many types for an unreachable store
+            raise TrackingError(f"tracking store {uri} is not usable: {_first_line(err)}") from None
+        self.experiment = experiment
+
+    def experiment_ids(self) -> list[str]:
+        """Every live experiment of the store (cells are looked up across all of them)."""
+        return [e.experiment_id for e in self.client.search_experiments()]
+
+    def experiment_name_of(self, run: Any) -> str:
+        """The name of the experiment ``run`` belongs to (perhaps another grid's)."""
+        if run.info.experiment_id == self.experiment_id:
+            return self.experiment
+        return self.client.get_experiment(run.info.experiment_id).name
+
+    def runs_for(self, run_key: str) -> list[Any]:
+        """Live cell runs tagged with ``run_key`` in any experiment of the store, newest first."""
+        return self.client.search_runs(
+            self.experiment_ids(),
+            filter_string=f"tags.run_key = '{run_key}' and tags.kind = '{Kind.CELL}'",
+            order_by=["attributes.start_time DESC"],
+            max_results=1000,
+        )
+
+    def cell_runs(self, statuses: tuple[str, ...]) -> list[Any]:
+        """Every cell run in the store whose ``status`` tag is one of ``statuses``."""
+        return [  # MLflow's filter has no IN for tags
+            r
+            for status in statuses
+            for r in self.client.search_runs(
+                self.experiment_ids(),
+                filter_string=f"tags.status = '{status}' and tags.kind = '{Kind.CELL}'",
+                max_results=50000,
+            )
+        ]
+
+    def resumable_run(self, run_key: str) -> Any | None:
+        """The newest run of ``run_key`` that did not end (running, failed or killed), if any."""
+        return next(
+            (r for r in self.runs_for(run_key) if r.data.tags.get("status") in Status.RESUMABLE), None
+        )
+
+    def reopen(self, run_id: str) -> None:
+        """Mark an unfinished run as running again, for a resumed attempt."""
+        self.client.update_run(run_id, status="RUNNING")
+        self.client.set_tag(run_id, "status", Status.RUNNING)
+        resumes = int(self.client.get_run(run_id).data.tags.get("resumed", 0))
+        self.client.set_tag(run_id, "resumed", str(resumes + 1))  # how many times it resumed
+
+    def done_run(self, run_key: str) -> Any | None:
+        """The newest run of ``run_key`` that is a result (``finished`` or ``diverged``), if any."""
+        return next((r for r in self.runs_for(run_key) if r.data.tags.get("status") in Status.DONE), None)
+
+    def start_cell(self, cell: Cell, extra_tags: dict[str, str] | None = None) -> str:
+        """Create the cell's run with its tags, flattened params and resolved config; return its id."""
+        tags = {
+            "grid": cell.grid,
+            "scale": cell.scale,
+            "row": cell.row.id,
+            "label": cell.row.label,
+            "seed": str(cell.seed),
+            "run_key": cell.run_key,
+            "status": Status.RUNNING,
+            "kind": Kind.CELL,
+            **(extra_tags or {}),
+        }
+        run = self.client.create_run(self.experiment_id, run_name=f"{cell.row.id}-s{cell.seed}", tags=tags)
+        run_id = run.info.run_id
+        from mlflow.entities import Param
+
+        params = [Param(k, v[:6000]) for k, v in flatten(to_dict(cell.config)).items()]
+        for i in range(0, len(params), 100):
+            self.client.log_batch(run_id, params=params[i : i + 100])
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "config.yaml"
+            path.write_text(yaml.safe_dump(to_dict(cell.config), sort_keys=False))
+            self.client.log_artifact(run_id, str(path))
+        return run_id
+
+    def named_run(self, name: str, tags: dict[str, str]) -> str:
+        """The experiment's run carrying all of ``tags``, created (as ``name``) on first use; for
+        runs that are not cells: the ``report`` run, an Optuna study's parent run."""
+        query = " and ".join(f"tags.{k} = '{v}'" for k, v in tags.items())
+        found = self.client.search_runs([self.experiment_id], filter_string=query)
+        if found:
+            return found[0].info.run_id
+        return self.client.create_run(self.experiment_id, run_name=name, tags=tags).info.run_id
+
+    def report_run(self) -> str:
+        """The experiment's one run tagged ``kind=report``; it holds the tables and figures as
+        artifacts and never counts as a cell."""
+        run_id = self.named_run("report", {"kind": Kind.REPORT})
+        self.client.set_terminated(run_id, "FINISHED")
+        return run_id
+
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+        """Log scalar metrics at ``step`` (batched: one request per 1000 metrics)."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        for i in range(0, len(batch), 1000):
+            self.client.log_batch(run_id, metrics=batch[i : i + 1000])
+
+    def log_files(self, run_id: str, paths: list[Path], folder: str | None = None) -> None:
+        """Upload files as artifacts of ``run_id`` under ``folder``."""
+        for path in paths:
+            self.client.log_artifact(run_id, str(path), folder)
+
+    def log_json(self, run_id: str, payload: Any, name: str) -> None:
+        """Store ``payload`` as the JSON artifact ``name`` of ``run_id``."""
+        self.client.log_dict(run_id, payload, name)
+
+    def finish(self, run_id: str, status: str, note: str | None = None) -> None:
+        """Set the ``status`` tag and end the run (MLflow FINISHED for a result, KILLED for
+        ``killed``, FAILED otherwise)."""
+        self.client.set_tag(run_id, "status", status)
+        if note:
+            self.client.set_tag(run_id, "status_note", note[:5000])
+        self.client.set_terminated(run_id, _MLFLOW_END.get(status, "FAILED"))
+
+    def delete(self, run_id: str) -> None:
+        """Move a run to MLflow's deleted lifecycle stage (restorable until ``mlflow gc``)."""
+        self.client.delete_run(run_id)

@@ -1,0 +1,77 @@
+"""Optuna RDB storage shared by the LR search and the sweep's work queue, and how a search's
+trials read.
+
+SQLite at ``results/optuna.db`` on one machine; a PostgreSQL or MySQL URL for many. Every
+storage has a heartbeat: a trial whose process stopped beating for three intervals is failed by
+the next worker that looks, and retried (``max_retry`` times) as a new waiting trial.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+from sqlalchemy import event
+
+from experiments.names import TrialOutcome
+
+HEARTBEAT_S = 30
+DIVERGED_ATTR = "diverged"  # the user attribute (its reason) of an LR-search trial pruned for diverging
+
+
+def storage_url(results_dir: Path, url: str | None) -> str:
+    """``url`` if given, else SQLite at ``results/optuna.db`` (absolute)."""
+    return url or f"sqlite:///{(results_dir / 'optuna.db').resolve()}"
+
+
+def make_storage(url: str, heartbeat_s: int | None = None, max_retry: int = 1) -> optuna.storages.RDBStorage:
+    """RDB storage with a heartbeat every ``heartbeat_s`` seconds (default ``HEARTBEAT_S``) and a
+    grace period of three; a stale trial is retried ``max_retry`` times.
+
+    On SQLite every transaction starts with ``BEGIN IMMEDIATE``: Python's driver otherwise
+    begins one only at the first write, so two processes could both read a trial as WAITING and
+    both take it. With the write lock taken first, Optuna's check-and-set is atomic here too, as
+    it is on PostgreSQL (``SELECT ... FOR UPDATE``).
+    """
+    heartbeat_s = heartbeat_s or HEARTBEAT_S
+    sqlite = url.startswith("sqlite")
+    engine = {"connect_args": {"timeout": 300, "isolation_level": None}} if sqlite else None
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    storage = optuna.storages.RDBStorage(
+        url,
+        engine_kwargs=engine,
+        heartbeat_interval=heartbeat_s,
+        grace_period=3 * heartbeat_s,
+        heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=max_retry),
+    )
+    if sqlite:
+        event.listen(storage.engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
+    return storage
+
+
+def trial_outcome(t: FrozenTrial) -> str | None:
+    """An LR-search trial as :class:`~experiments.names.TrialOutcome` names it: complete, pruned,
+    diverged (PRUNED with a ``diverged`` user attribute: the LR was too large) or fail; None for a
+    trial still waiting or running."""
+    if t.state in (TrialState.RUNNING, TrialState.WAITING):
+        return None
+    if t.state == TrialState.PRUNED:
+        return TrialOutcome.DIVERGED if DIVERGED_ATTR in t.user_attrs else TrialOutcome.PRUNED
+    return TrialOutcome.COMPLETE if t.state == TrialState.COMPLETE else TrialOutcome.FAIL
+
+
+def trial_table(study: optuna.Study) -> list[dict]:
+    """One record per ended trial: number, LR, state (:func:`trial_outcome`), Avg PPL."""
+    records = []
+    for t in study.get_trials(deepcopy=False):
+        state = trial_outcome(t)
+        if state is None:
+            continue
+        value = t.value if t.state == TrialState.COMPLETE else math.nan
+        records.append(
+            {"trial": t.number, "max_lr": t.params.get("max_lr", math.nan), "state": state, "avg_ppl": value}
+        )
+    return records
