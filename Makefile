@@ -5,7 +5,8 @@
 #   SEEDS number of seeds      (default: the grid's own)
 #   ROWS  comma-separated row ids (default: all)
 #   FORCE 1 retrains finished cells
-#   WORKERS  cells trained at once (default 1; >1 goes through the Optuna queue in STORAGE)
+#   WORKERS  cells trained at once (default auto: one single-threaded worker per CPU core, one on a
+#            GPU machine; >1 goes through the Optuna queue in STORAGE)
 #   STORAGE  Optuna RDB URL for the sweep's queue and the LR search (default results/optuna.db)
 GRID  ?= grids/table1.yaml
 SCALE ?= tiny
@@ -14,7 +15,7 @@ ROWS  ?=
 FORCE ?=
 PORT  ?= 5000
 TRIALS ?= 8
-WORKERS ?= 1
+WORKERS ?= auto
 STORAGE ?=
 DASHBOARD_PORT ?= 8080
 # A CPU build of torch here; any CUDA build >= 2.5 works elsewhere (TORCH_SPEC="torch" or preinstalled).
@@ -27,7 +28,7 @@ PY   := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS := --grid $(GRID) --scale $(SCALE) $(if $(SEEDS),--seeds $(SEEDS)) $(if $(ROWS),--rows $(ROWS)) $(if $(FORCE),--force)
 
-.PHONY: setup sweep eval tables params tune dashboard throughput throughput-moe bench bench-moe ui test lint clean
+.PHONY: setup sweep eval tables params tune dashboard throughput bench bench-moe gpu-check ui test lint clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -55,17 +56,18 @@ tune: $(STAMP)
 dashboard: $(STAMP)
 	$(VENV)/bin/optuna-dashboard '$(or $(STORAGE),sqlite:///results/optuna.db)' --host 127.0.0.1 --port $(DASHBOARD_PORT)
 
-# training tokens/s of the baseline against gated rows, measured in one process (sweep/throughput.py)
+# training speed in one process: tokens/s of each row (and a MoE row's dense twin), the harness
+# against a bare loop, one step's breakdown (sweep/throughput/)
 throughput: $(STAMP)
 	$(PY) -m sweep.throughput --grid $(GRID) --scale $(SCALE) $(if $(ROWS),--rows $(ROWS))
 
-# tokens/s of the MoE base against a dense model of the same active parameters, same process
-throughput-moe: $(STAMP)
-	$(PY) -m sweep.throughput --grid grids/table1.yaml --scale $(SCALE) --rows baseline --dense-twin
-
 # the names of one release ago
-bench: throughput
-bench-moe: throughput-moe
+bench bench-moe: throughput
+
+# on a lent GPU: the CUDA path of every part, tokens/s and MFU at `small` (sweep/gpu_check.py).
+# A machine without network: `make gpu-check GPU_PY=python3` with the packages already there.
+gpu-check: $(if $(GPU_PY),,$(STAMP))
+	$(or $(GPU_PY),$(PY)) -m sweep.gpu_check
 
 ui: $(STAMP)
 	$(VENV)/bin/mlflow ui --backend-store-uri "$${MLFLOW_TRACKING_URI:-sqlite:///results/mlflow.db}" --host 127.0.0.1 --port $(PORT)

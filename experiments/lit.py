@@ -155,9 +155,13 @@ class LMModule(pl.LightningModule):
         seconds = time.perf_counter() - self._step_clock
         self.log(N.TRAIN_TOKENS_PER_S, batch[:, 1:].numel() / max(seconds, 1e-9), on_step=True, logger=True)
 
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        norms = [p.grad.detach().norm() for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.stack(norms).norm()
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, *args: object, **kwargs: object
+    ) -> None:
+        """Clip the gradients' global norm at ``train.grad_clip`` (0: no clipping) and log the norm
+        before clipping: one pass over the gradients computes both (the trainer clips nothing)."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip or math.inf)
         if not torch.isfinite(grad_norm):  # the step would write non-finite weights
             raise Diverged(self.global_step, float(grad_norm), math.inf, what="gradient norm")
         self.log(N.TRAIN_GRAD_NORM, grad_norm, on_step=True, logger=True)
@@ -217,15 +221,20 @@ class LMModule(pl.LightningModule):
 
 def adamw(model: nn.Module, t: TrainConfig) -> torch.optim.AdamW:
     """AdamW at ``max_lr`` (Section 2.2) with weight decay on the projection, expert and embedding
-    matrices only; norm gains and static gate logits get none."""
+    matrices only; norm gains and static gate logits get none. The fused kernel where the
+    parameters' device has one (CPU, CUDA): it pays on a GPU; on this project's CPU, one thread,
+    fused, foreach and the plain loop took the same 12-13 ms a step on the tiny MoE's 10.3M
+    parameters."""
     matrices = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
     for m in model.modules():
         if isinstance(m, MoEFFN):
             matrices |= {id(m.w_gate_up), id(m.w_down)}
     decay = [p for p in model.parameters() if id(p) in matrices]
     no_decay = [p for p in model.parameters() if id(p) not in matrices]
+    fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in model.parameters())
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=t.max_lr,
         betas=(t.beta1, t.beta2),
+        fused=fused or None,
     )

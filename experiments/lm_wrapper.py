@@ -4,8 +4,10 @@
 each (context, continuation) pair at the token boundary (``_encode_pair``: the whole string is
 encoded, the context's tokens are cut off the front, trailing context spaces move to the
 continuation), and we score the continuation tokens. Inputs longer than the model's window are
-truncated from the left. Generation is greedy, batched over prompts of equal length, and stops at
-the first stop string (or EOS, or ``max_gen_toks``).
+truncated from the left. Requests with the same input (a multiple-choice question's one-token
+answers) share one forward pass. Generation is greedy, batched over prompts of equal length, with
+a KV cache (each token is fed once), and stops at the first stop string (or EOS, or
+``max_gen_toks``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tokenizers import Tokenizer
 
 from experiments.config import ModelConfig
-from experiments.model import GatedLM
+from experiments.model import GatedLM, KVCache
 
 
 @register_model("gated-attn")
@@ -92,15 +94,21 @@ class GatedAttnLM(TemplateLM):
             if n > 0:
                 by_len[len(whole) - 1].append((i, whole[:-1], len(whole) - 1 - n, continuation[-n:]))
         for jobs in by_len.values():
-            for start in range(0, len(jobs), self.batch_size):
-                chunk = jobs[start : start + self.batch_size]
-                tokens = torch.tensor([row for _, row, _, _ in chunk], device=self._device)
-                logits = self.model(tokens).float()
-                for j, (i, _, at, continuation) in enumerate(chunk):
-                    logp = F.log_softmax(logits[j, at : at + len(continuation)], dim=-1).cpu()
-                    target = torch.tensor(continuation)
-                    logprob = logp.gather(-1, target[:, None]).sum().item()
-                    results[i] = (logprob, bool((logp.argmax(-1) == target).all()))
+            # Requests with the same input (a multiple-choice question's one-token answers) share
+            # one forward pass.
+            inputs: dict[tuple[int, ...], list[tuple[int, int, list[int]]]] = defaultdict(list)
+            for i, row, at, continuation in jobs:
+                inputs[tuple(row)].append((i, at, continuation))
+            rows = list(inputs)
+            for start in range(0, len(rows), self.batch_size):
+                chunk = rows[start : start + self.batch_size]
+                logits = self.model(torch.tensor(chunk, device=self._device)).float()
+                for j, row in enumerate(chunk):
+                    for i, at, continuation in inputs[row]:
+                        logp = F.log_softmax(logits[j, at : at + len(continuation)], dim=-1).cpu()
+                        target = torch.tensor(continuation)
+                        logprob = logp.gather(-1, target[:, None]).sum().item()
+                        results[i] = (logprob, bool((logp.argmax(-1) == target).all()))
         return results
 
     def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kwargs: Any) -> list:
@@ -147,23 +155,27 @@ class GatedAttnLM(TemplateLM):
 
     def _greedy(self, tokens: torch.Tensor, budget: int, stops: list[list[str]]) -> list[list[int]]:
         """(B, T) prompts -> up to ``budget`` greedy tokens each, stopping a row at EOS or once its
-        decoded text holds a stop string. No KV cache: each step is one forward pass."""
+        decoded text holds a stop string. The prompt is fed once and every new token once after it
+        (:class:`~experiments.model.KVCache`); finished rows leave the batch."""
         new: list[list[int]] = [[] for _ in range(tokens.shape[0])]
-        done = [False] * tokens.shape[0]
-        for _ in range(budget):
-            nxt = self.model(tokens)[:, -1].argmax(-1)
-            tokens = torch.cat([tokens, nxt[:, None]], dim=1)
-            for b, token in enumerate(nxt.tolist()):
-                if done[b]:
-                    continue
+        cache = KVCache(len(self.model.blocks))
+        nxt = self.model(tokens, cache)[:, -1].argmax(-1)
+        active = list(range(tokens.shape[0]))  # batch row -> request
+        for step in range(budget):
+            still = []
+            for row, (b, token) in enumerate(zip(active, nxt.tolist())):
                 if token == self.eot_token_id:
-                    done[b] = True
                     continue
                 new[b].append(token)
-                if any(s in self.tok_decode(new[b]) for s in stops[b]):
-                    done[b] = True
-            if all(done):
+                if not any(s in self.tok_decode(new[b]) for s in stops[b]):
+                    still.append(row)
+            if not still or step == budget - 1:
                 break
+            if len(still) < len(active):
+                keep = torch.tensor(still, device=self._device)
+                cache.keep(keep)
+                nxt, active = nxt.index_select(0, keep), [active[r] for r in still]
+            nxt = self.model(nxt[:, None], cache)[:, -1].argmax(-1)
         return new
 
 

@@ -1,7 +1,8 @@
 """Decoder-only LM of the paper's shape (Table 7): pre-RMSNorm, RoPE, GQA, qk-norm, SwiGLU or MoE.
 
 Shape legend: B batch, T tokens, d ``d_model``, H query heads, K key/value heads, D ``head_dim``,
-V vocabulary. The training path uses ``torch.nn.functional.scaled_dot_product_attention``.
+V vocabulary. The training path uses ``torch.nn.functional.scaled_dot_product_attention``; a
+:class:`KVCache` lets generation feed one token at a time.
 """
 
 from __future__ import annotations
@@ -15,6 +16,31 @@ from experiments.gating import AttentionGate
 from experiments.moe import MoEFFN
 
 
+class KVCache:
+    """Keys and values of every position fed so far, for incremental decoding.
+
+    ``keys[l]`` and ``values[l]`` are layer ``l``'s (B, K, T, D), after qk-norm, the G3 / G2 gates
+    and RoPE: what attention reads. ``length`` is T. :meth:`keep` drops finished sequences.
+    """
+
+    def __init__(self, n_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * n_layers
+        self.values: list[torch.Tensor | None] = [None] * n_layers
+        self.length = 0
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append (B, K, t, D) keys and values of the new positions; return the layer's whole cache."""
+        if self.keys[layer] is not None:
+            k, v = torch.cat([self.keys[layer], k], dim=2), torch.cat([self.values[layer], v], dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows ``rows`` (int64 indices), in that order."""
+        self.keys = [None if k is None else k.index_select(0, rows) for k in self.keys]
+        self.values = [None if v is None else v.index_select(0, rows) for v in self.values]
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE tables (rotate-half form) for positions ``0 .. max_seq_len - 1``."""
 
@@ -25,10 +51,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", torch.cat([angles.cos()] * 2, dim=-1), persistent=False)  # (T, D)
         self.register_buffer("sin", torch.cat([angles.sin()] * 2, dim=-1), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` of shape (B, T, heads, D) by its positions."""
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """Rotate ``x`` of shape (B, T, heads, D) by its positions ``offset .. offset + T - 1``."""
         t = x.shape[1]
-        cos, sin = self.cos[:t, None, :].to(x.dtype), self.sin[:t, None, :].to(x.dtype)
+        cos = self.cos[offset : offset + t, None, :].to(x.dtype)
+        sin = self.sin[offset : offset + t, None, :].to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -60,21 +87,31 @@ class Attention(nn.Module):
     def _gated(self, position: str, y: torch.Tensor, gate_logits: torch.Tensor | None) -> torch.Tensor:
         return self.gate(y, gate_logits) if position == self.gate_position else y
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
-        """(B, T, d) pre-normed hidden state -> (B, T, d) attention output."""
+    def forward(
+        self, x: torch.Tensor, rope: RotaryEmbedding, cache: KVCache | None = None, layer: int = 0
+    ) -> torch.Tensor:
+        """(B, T, d) pre-normed hidden state -> (B, T, d) attention output. With ``cache``, the
+        T tokens follow the ``cache.length`` positions it holds, and their keys and values join it."""
         b, t, _ = x.shape
+        offset = cache.length if cache is not None else 0
         q, k, v, g = self.in_proj(x).split(self.split_sizes, dim=-1)
         g = g if g.shape[-1] else None
         # G4 / G3 act after qk-norm: RMSNorm would undo any scaling a gate applied before it.
         q = self._gated("query", self.q_norm(q.view(b, t, self.n_heads, self.head_dim)), g)  # G4
         k = self._gated("key", self.k_norm(k.view(b, t, self.n_kv_heads, self.head_dim)), g)  # G3
         v = self._gated("value", v.view(b, t, self.n_kv_heads, self.head_dim), g)  # G2
-        q, k = rope(q), rope(k)
+        q, k = rope(q, offset), rope(k, offset)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # (B, heads, T, D)
+        if cache is not None:
+            k, v = cache.extend(layer, k, v)
         if self.keep_attention:
             y = self._explicit_attention(q, k, v)
-        else:
+        elif offset == 0:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:  # new queries at offset.. see every cached key and the new ones up to themselves
+            keys = torch.arange(k.shape[2], device=x.device)
+            mask = keys[None, :] <= offset + torch.arange(t, device=x.device)[:, None]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         y = self._gated("sdpa", y.transpose(1, 2), g)  # G1: (B, T, H, D)
         out = self.o_proj(y.reshape(b, t, -1))
         if self.gate_position == "dense":  # G5 after W_O
@@ -129,9 +166,11 @@ class Block(nn.Module):
         post = (lambda: nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)) if cfg.sandwich_norm else nn.Identity
         self.attn_post_norm, self.ffn_post_norm = post(), post()
 
-    def forward(self, x: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: RotaryEmbedding, cache: KVCache | None = None, layer: int = 0
+    ) -> torch.Tensor:
         """(B, T, d) residual stream in and out."""
-        x = x + self.attn_post_norm(self.attn(self.attn_norm(x), rope))
+        x = x + self.attn_post_norm(self.attn(self.attn_norm(x), rope, cache, layer))
         return x + self.ffn_post_norm(self.ffn(self.ffn_norm(x)))
 
 
@@ -161,18 +200,26 @@ class GatedLM(nn.Module):
             nn.init.normal_(module.w_gate_up, mean=0.0, std=self.cfg.init_std)
             nn.init.normal_(module.w_down, mean=0.0, std=self.cfg.init_std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """(B, T) token ids -> (B, T, V) next-token logits."""
-        if tokens.shape[1] > self.cfg.max_seq_len:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """(B, T) token ids -> (B, T, V) next-token logits. With a :class:`KVCache`, the tokens
+        continue the sequences it holds (generation feeds the prompt, then one token at a time).
+
+        Raises:
+            ValueError: the sequence (cached positions included) exceeds ``max_seq_len``.
+        """
+        offset = cache.length if cache is not None else 0
+        if offset + tokens.shape[1] > self.cfg.max_seq_len:
             raise ValueError(
-                f"sequence of {tokens.shape[1]} tokens exceeds max_seq_len={self.cfg.max_seq_len}"
+                f"sequence of {offset + tokens.shape[1]} tokens exceeds max_seq_len={self.cfg.max_seq_len}"
             )
         x = self.embed(tokens)
         self.hidden_states = []
-        for block in self.blocks:
-            x = block(x, self.rope)
+        for layer, block in enumerate(self.blocks):
+            x = block(x, self.rope, cache, layer)
             if self.keep_hidden:
                 self.hidden_states.append(x.detach())
+        if cache is not None:
+            cache.length += tokens.shape[1]
         return self.lm_head(self.norm(x))
 
 

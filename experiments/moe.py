@@ -126,10 +126,11 @@ class MoEFFN(nn.Module):
         per_expert = (self.w_gate_up.numel() + self.w_down.numel()) // self.n_experts
         return (self.n_experts - self.top_k) * per_expert
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert ``e`` on (M, d) tokens -> (M, d)."""
+    def expert(self, e: int, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Expert ``e`` on (M, d) tokens -> (M, d), its output scaled per token by ``scale`` (M, 1)."""
         gate, up = (x @ self.w_gate_up[e]).chunk(2, dim=-1)
-        return (F.silu(gate) * up) @ self.w_down[e]
+        hidden = F.silu(gate) * up
+        return (hidden if scale is None else hidden * scale) @ self.w_down[e]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -146,14 +147,18 @@ class MoEFFN(nn.Module):
         # adds nothing twice, so the gradient is bitwise reproducible (flat[token_of] is not on CPU:
         # its backward accumulates a token's k copies in whatever order the threads run).
         grouped = flat.repeat_interleave(self.top_k, dim=0).index_select(0, order)
-        outputs = self._grouped_experts(grouped, counts) if self.use_grouped_mm else None
+        # The routing weight scales the expert's hidden layer (width f), not its output (width d):
+        # the same product, as the down projection is linear, on fewer numbers.
+        scale = weights.flatten()[order, None]
+        outputs = self._grouped_experts(grouped, counts, scale) if self.use_grouped_mm else None
         if outputs is None:
-            outputs = self._looped_experts(grouped, counts)
-        weighted = outputs * weights.flatten()[order, None].to(outputs.dtype)
-        out = torch.zeros_like(flat).index_add_(0, token_of, weighted.to(flat.dtype))
+            outputs = self._looped_experts(grouped, counts, scale)
+        out = torch.zeros_like(flat).index_add_(0, token_of, outputs.to(flat.dtype))
         return out.reshape(shape)
 
-    def _grouped_experts(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+    def _grouped_experts(
+        self, grouped: torch.Tensor, counts: torch.Tensor, scale: torch.Tensor
+    ) -> torch.Tensor | None:
         """All experts in two ``grouped_mm`` calls (one kernel each instead of E small matmuls);
         None where this build or device cannot run them, and the layer falls back to the loop."""
         offsets = counts.cumsum(0).to(torch.int32)
@@ -164,20 +169,25 @@ class MoEFFN(nn.Module):
         w_gate_up, w_down = self.w_gate_up.to(dtype), self.w_down.to(dtype)
         try:
             gate, up = F.grouped_mm(grouped, w_gate_up, offs=offsets).chunk(2, dim=-1)
-            return F.grouped_mm((F.silu(gate) * up).contiguous(), w_down, offs=offsets)
+            hidden = F.silu(gate) * up * scale.to(dtype)
+            return F.grouped_mm(hidden.contiguous(), w_down, offs=offsets)
         except torch.OutOfMemoryError:
             raise
         except (AttributeError, RuntimeError, NotImplementedError):  # e.g. a GPU without the kernel
             self.use_grouped_mm = False
             return None
 
-    def _looped_experts(self, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _looped_experts(
+        self, grouped: torch.Tensor, counts: torch.Tensor, scale: torch.Tensor
+    ) -> torch.Tensor:
         """One matmul pair per expert on its contiguous slice: a loop over experts, never tokens."""
         outputs = torch.empty_like(grouped)
         start = 0
         for e, n in enumerate(counts.tolist()):
             if n:
-                outputs[start : start + n] = self.expert(e, grouped[start : start + n])
+                outputs[start : start + n] = self.expert(
+                    e, grouped[start : start + n], scale[start : start + n]
+                )
             start += n
         return outputs
 

@@ -30,8 +30,8 @@ from experiments.probes import ProbeResult, probe_batch
 
 def build_trainer(t: TrainConfig, logger: Any = False, callbacks: Sequence[pl.Callback] = ()) -> pl.Trainer:
     """The Lightning ``Trainer`` of a run: ``t.max_steps`` steps on ``t.devices`` x ``t.num_nodes``
-    devices with ``t.strategy``, validating every ``t.val_every`` steps, gradients clipped at
-    ``t.grad_clip``, crash-safe checkpoint files, no progress bar (the caller prints its own).
+    devices with ``t.strategy``, validating every ``t.val_every`` steps, crash-safe checkpoint
+    files, no progress bar (the caller prints its own). ``LMModule`` clips the gradients itself.
 
     The data module shards each global batch over the processes itself (``ResumingSampler``), so
     Lightning's distributed sampler is off.
@@ -43,7 +43,6 @@ def build_trainer(t: TrainConfig, logger: Any = False, callbacks: Sequence[pl.Ca
         strategy=t.strategy,
         max_steps=t.max_steps,
         precision=auto_precision(t.precision),
-        gradient_clip_val=t.grad_clip or None,
         val_check_interval=min(t.val_every, t.max_steps),
         num_sanity_val_steps=0,
         log_every_n_steps=t.log_every,

@@ -33,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
         ("sweep", "train every unfinished cell, then write the tables"),
         ("tables", "write results/<grid>.{md,csv,tex} from the tracking store"),
         ("params", "print total, active and added parameters per row (counted, no training)"),
-        ("tune", "Optuna search of each row's max learning rate, then results/lr_search.*"),
+        ("tune", "Optuna search of each row's max learning rate, then results/<grid>_lr_search.*"),
         ("worker", "train cells from the sweep's queue until it is empty (started by sweep --workers)"),
         ("eval", "benchmark finished runs that lack scores (the grid's eval.tasks), then the tables"),
     ):
@@ -50,15 +50,25 @@ def _parser() -> argparse.ArgumentParser:
             s.add_argument("--heartbeat", type=int, default=HEARTBEAT_S, help=argparse.SUPPRESS)
         if name == "sweep":
             s.add_argument(
-                "--workers", type=int, default=1, help="worker processes; >1 (or --storage) uses the queue"
+                "--workers",
+                default="1",
+                help="worker processes, or auto (one per CPU core, one on a GPU); >1 uses the queue",
             )
-        if name == "worker":
-            s.add_argument("--threads", type=int, default=None, help="torch threads of this worker")
         if name == "tune":
             s.add_argument("--trials", type=int, default=8, help="trials per row (complete or pruned)")
             s.add_argument("--lr-range", default="1e-4,1e-2", help="log-uniform max LR range, lo,hi")
             s.add_argument("--ladder", default=None, help="fixed max LRs, a,b,c (grid sampler)")
     return p
+
+
+def _workers(value: str) -> int:
+    """``--workers``: a count, or ``auto``: one single-threaded worker per CPU core (the fastest
+    way measured on 2 cores), one on a machine with a GPU. 0 for anything else (rejected)."""
+    if value == "auto":
+        import torch
+
+        return 1 if torch.cuda.is_available() else os.cpu_count() or 1
+    return int(value) if value.isdigit() else 0
 
 
 def _writable(results: Path) -> None:
@@ -84,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.seeds is not None and args.seeds < 1:
         print("error: --seeds must be at least 1", file=sys.stderr)
         return 2
+    if hasattr(args, "workers"):
+        args.workers = _workers(args.workers)
     for flag in ("workers", "heartbeat"):
         if getattr(args, flag, 1) < 1:
             print(f"error: --{flag} must be at least 1, got {getattr(args, flag)}", file=sys.stderr)
@@ -115,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         cache = _cache_root()
         if args.command == "eval":
-            failed = _evaluate(grid, args.scale, cells, results, cache)
+            failed = _evaluate(grid, args.scale, cells, results, cache, asked=True)
             paths = write_tables(grid, args.scale, results, _command_line())  # every seed found
             print(f"table: {paths['md']} (also .csv, .tex)")
             return 1 if failed else 0
@@ -168,9 +180,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _evaluate(grid, scale: str, cells, results: Path, cache: Path | None) -> int:
-    """Benchmark the finished runs that lack scores; return how many evaluations failed."""
+def _evaluate(grid, scale: str, cells, results: Path, cache: Path | None, asked: bool = False) -> int:
+    """Benchmark the finished runs that lack scores (after a sweep only at the grid's
+    ``eval.scales``; ``make eval`` at any); return how many evaluations failed."""
     if not grid.eval.tasks:
+        return 0
+    if not asked and not grid.eval.scored_by_sweep(scale):
+        where = ", ".join(grid.eval.scales)
+        print(f"benchmarks: not scored at {scale} (the grid scores at {where}); make eval scores them")
         return 0
     from sweep.eval.scores import evaluate_missing
     from sweep.store import Tracker, experiment_name, tracking_uri
@@ -191,14 +208,10 @@ def _worker_args(args: argparse.Namespace, url: str) -> list[str]:
 
 
 def _worker(args: argparse.Namespace, grid, cells, results: Path, cache: Path | None) -> int:
-    import torch
-
     from sweep.run.interrupt import StopRequest
     from sweep.run.queue import run_worker
     from sweep.studies import storage_url
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     with StopRequest() as stop:
         outcomes = run_worker(
             grid, cells, results, storage_url(results, args.storage), args.heartbeat, cache, stop

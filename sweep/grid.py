@@ -85,11 +85,14 @@ class EvalConfig:
 
     ``tasks``: names of the offline suite (``sweep.eval.suite``: ``offline_mmlu_dev``,
     ``offline_humaneval``; ``offline_wikihow`` and ``offline_mathqa`` download BIG-bench) or any
-    lm-eval task name (those need the hub). ``num_fewshot``: per task (default 0). ``limit``:
-    documents per task (None: all). ``batch_size`` and ``max_gen_toks`` go to the model wrapper.
+    lm-eval task name (those need the hub). ``scales``: where ``make sweep`` scores by itself
+    (default every scale; ``make eval`` scores at any). ``num_fewshot``: per task (default 0).
+    ``limit``: documents per task (None: all). ``batch_size`` and ``max_gen_toks`` go to the model
+    wrapper.
     """
 
     tasks: tuple[str, ...] = ()
+    scales: tuple[str, ...] | None = None
     num_fewshot: dict[str, int] = field(default_factory=dict)
     limit: int | None = None
     batch_size: int = 32
@@ -110,6 +113,10 @@ class EvalConfig:
 
     def fewshot(self, task: str) -> int:
         return self.num_fewshot.get(task, 0)
+
+    def scored_by_sweep(self, scale: str) -> bool:
+        """Whether ``make sweep`` at ``scale`` scores the finished runs by itself."""
+        return bool(self.tasks) and (self.scales is None or scale in self.scales)
 
 
 @dataclass(frozen=True)
@@ -295,6 +302,9 @@ def load_grid(file: str | Path) -> Grid:
         raise GridError(
             file, f"unknown paper table {spec.paper_table!r}; known: {', '.join(known)}", path="paper_table"
         )
+    for scale in spec.eval.scales or ():
+        if scale not in spec.scales:
+            raise GridError(file, f"names no scale of the grid: '{scale}'", path="eval.scales")
     if spec.baseline_row not in ids:
         raise GridError(file, f"names no row of the grid: '{spec.baseline_row}'", path="baseline_row")
     for row in spec.rows:

@@ -101,6 +101,20 @@ def check_reachable(uri: str, timeout_s: float = 10.0) -> None:
             raise TrackingError(f"tracking store {uri} is not usable: folder {folder} does not exist")
 
 
+def runtime_tags() -> dict[str, str]:
+    """What computed a run: the device, torch's intra-op threads and the library versions."""
+    import lightning
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {
+        "device": device,
+        "threads": str(torch.get_num_threads()),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+    }
+
+
 class Tracker:
     """Thin wrapper over ``MlflowClient`` for one experiment.
 
@@ -196,6 +210,7 @@ class Tracker:
             "run_key": cell.run_key,
             "status": Status.RUNNING,
             "kind": Kind.CELL,
+            **runtime_tags(),
             **(extra_tags or {}),
         }
         run = self.client.create_run(self.experiment_id, run_name=f"{cell.row.id}-s{cell.seed}", tags=tags)

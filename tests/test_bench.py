@@ -287,3 +287,47 @@ def test_the_table_shows_acc_or_the_only_score_headed_with_the_logged_chance(tmp
     assert bench_score_key("t", ["bench/t/acc_norm", "bench/t/acc", "bench/t/chance"]) == "bench/t/acc"
     assert bench_score_key("t", ["bench/t/exact_match", "bench/t/chance"]) == "bench/t/exact_match"
     assert bench_score_key("t", ["bench/t/chance", "bench/u/acc"]) is None
+
+
+def naive_greedy(lm: GatedAttnLM, prompt: list[int], budget: int, stops: list[str]) -> list[int]:
+    """Greedy decoding the slow way: the whole sequence through the model for every new token."""
+    tokens, new = list(prompt), []
+    with torch.no_grad():
+        for _ in range(budget):
+            token = int(lm.model(torch.tensor([tokens]))[0, -1].argmax())
+            if token == lm.eot_token_id:
+                break
+            tokens.append(token)
+            new.append(token)
+            if any(s in lm.tok_decode(new) for s in stops):
+                break
+    return new
+
+
+def test_cached_batched_generation_equals_the_naive_loop(lm: GatedAttnLM) -> None:
+    """Rows of one batch that stop at different steps (and leave it) get exactly the tokens the
+    one-at-a-time, no-cache loop gives each of them."""
+    text = lm.tok_encode(TEXT)
+    prompts = [text[0:5], text[7:12], text[20:25]]  # one batch: prompts of one length
+    free = [naive_greedy(lm, p, 12, []) for p in prompts]
+    stops = [[lm.tok_decode(free[0][1:3])], [], [lm.tok_decode(free[2][4:5])]]
+    expected = [naive_greedy(lm, p, 12, s) for p, s in zip(prompts, stops)]
+    assert len({len(e) for e in expected}) > 1  # the rows really stop at different steps
+    got = lm._greedy(torch.tensor(prompts), 12, stops)
+    assert got == expected
+
+
+def test_answers_to_one_question_share_a_forward_pass(
+    lm: GatedAttnLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    context = lm.tok_encode("the cat sat on the")
+    answers = [lm.tok_encode(" " + w)[-1:] for w in ("mat", "dog", "sun", "sky")]
+    calls = []
+    forward = lm.model.forward
+    monkeypatch.setattr(
+        lm.model, "forward", lambda tokens, *a: calls.append(tokens.shape) or forward(tokens, *a)
+    )
+    got = lm._score([(context, a) for a in answers])
+    assert calls == [(1, len(context))]  # four requests, one row
+    for a, (logprob, _) in zip(answers, got):
+        assert logprob == pytest.approx(direct_logprob(lm, context + a, 1), abs=1e-5)

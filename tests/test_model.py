@@ -303,7 +303,7 @@ def test_match_params_is_rejected_for_a_moe_model() -> None:
 
 
 def test_the_benchmarks_dense_twin_has_the_moe_models_active_parameters() -> None:
-    from sweep.throughput import dense_twin
+    from sweep.throughput.bare import dense_twin
 
     moe = dataclasses.replace(SMALL, moe=MOE)
     twin = dense_twin(moe)
@@ -362,3 +362,24 @@ def test_each_activation_computes_its_formula_and_trains(name: str) -> None:
     model(torch.randint(0, 64, (2, 9))).sum().backward()
     gate_rows = model.blocks[0].attn.in_proj.weight.grad[-Q * DK :]  # the gate's slice of q|k|v|gate
     assert gate_rows.abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", [None, *VARIANTS, "moe"])
+def test_feeding_tokens_through_the_kv_cache_equals_one_forward(name: str | None) -> None:
+    """Prompt, then one token at a time, then two: the logits of a full forward, every gate and
+    the MoE; dropping a row of the batch keeps the others' cache."""
+    from experiments.model import KVCache
+
+    gate = VARIANTS[name][0] if name in VARIANTS else None
+    model = build(gate, moe=MOE) if name == "moe" else build(gate)
+    tokens = torch.randint(0, 64, (3, 10))
+    full = model(tokens)
+    cache = KVCache(L)
+    parts = [model(tokens[:, :5], cache), model(tokens[:, 5:6], cache), model(tokens[:, 6:7], cache)]
+    cache.keep(torch.tensor([0, 2]))
+    parts.append(model(tokens[[0, 2], 7:10], cache))
+    torch.testing.assert_close(torch.cat(parts[:3], dim=1), full[:, :7], rtol=0, atol=1e-10)
+    torch.testing.assert_close(parts[3], full[[0, 2], 7:10], rtol=0, atol=1e-10)
+    assert cache.length == 10
+    with pytest.raises(ValueError, match="exceeds max_seq_len=16"):
+        model(torch.randint(0, 64, (2, 7)), cache)

@@ -35,7 +35,7 @@ def queue_trials(results: Path) -> list[optuna.trial.FrozenTrial]:
 
 
 def test_three_workers_train_every_cell_exactly_once(
-    repo_cache: None, tmp_path: Path, capsys: pytest.CaptureFixture
+    repo_cache: None, micro: dict, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     grid = tmp_path / "micro.yaml"
     grid.write_text(MICRO)
@@ -58,6 +58,28 @@ def test_three_workers_train_every_cell_exactly_once(
     for t in trials:  # the trial's value is its run's Avg PPL
         (run,) = [r for r in runs if r.data.tags["run_key"] == t.user_attrs["run_key"]]
         assert t.value == pytest.approx(run.data.metrics["val/ppl/avg"])
+
+    # Seed 0's cells against the one-process sweep's: every cell computes with one thread, so
+    # how many workers ran changes no number.
+    client = MlflowClient(tracking_uri=f"sqlite:///{results / 'mlflow.db'}")
+    single = MlflowClient(tracking_uri=f"sqlite:///{micro['results'] / 'mlflow.db'}")
+    by_key = {
+        r.data.tags["run_key"]: r
+        for r in all_cell_runs(micro["results"])
+        if r.data.tags["status"] == "finished"
+    }
+
+    def losses(c: MlflowClient, run_id: str) -> list[float]:
+        return [m.value for m in sorted(c.get_metric_history(run_id, "train/loss"), key=lambda m: m.step)]
+
+    compared = 0
+    for run in runs:
+        one = by_key.get(run.data.tags["run_key"])
+        if one is not None:
+            assert losses(client, run.info.run_id) == losses(single, one.info.run_id)
+            assert run.data.tags["threads"] == one.data.tags["threads"] == "1"
+            compared += 1
+    assert compared == 3
 
     assert main(args) == 0  # nothing left: no worker starts, no trial is added
     assert "finished 0, resumed 0, skipped 9" in capsys.readouterr().out

@@ -112,5 +112,22 @@ def test_a_non_finite_gradient_stops_before_the_optimiser_step() -> None:
         p.grad = torch.zeros_like(p)
     module.model.embed.weight.grad[3, 1] = float("inf")
     with pytest.raises(Diverged) as err:
-        module.on_before_optimizer_step(torch.optim.SGD(module.parameters(), lr=0.1))
+        module.configure_gradient_clipping(torch.optim.SGD(module.parameters(), lr=0.1))
     assert err.value.what == "gradient norm" and "gradient norm inf at step 0 is not finite" in str(err.value)
+
+
+def test_gradients_are_clipped_at_the_global_norm_and_the_norm_before_is_logged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    shape = {"d_model": 16, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "head_dim": 8, "ffn_dim": 32}
+    cfg = RunConfig(model=ModelConfig(vocab_size=4096, max_seq_len=128, **shape))
+    module = LMModule(cfg, ["code"])
+    logged = {}
+    monkeypatch.setattr(module, "log", lambda key, value, **kw: logged.update({key: float(value)}))
+    for p in module.parameters():
+        p.grad = torch.zeros_like(p)
+    module.model.embed.weight.grad[3, :2] = torch.tensor([3.0, 4.0])  # global norm 5
+    module.configure_gradient_clipping(torch.optim.SGD(module.parameters(), lr=0.1))
+    assert logged["train/grad_norm"] == pytest.approx(5.0)
+    clipped = module.model.embed.weight.grad[3, :2]
+    assert clipped.tolist() == pytest.approx([0.6, 0.8], rel=1e-5)  # scaled to norm grad_clip = 1

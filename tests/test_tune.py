@@ -102,10 +102,10 @@ def test_a_nan_trial_is_recorded_as_diverged_and_the_study_goes_on(
     _enqueued(setup, [8e-3, 2e-3, 1e-3])
     args = ["tune", "--grid", str(setup["path"]), "--results", str(setup["results"]), "--trials", "3"]
     assert main(args) == 0
-    table = pd.read_csv(setup["results"] / "lr_search.csv").iloc[0]
+    table = pd.read_csv(setup["results"] / "micro_lr_search.csv").iloc[0]
     assert (table["n_complete"], table["n_diverged"], table["n_pruned"], table["n_fail"]) == (2, 1, 0, 0)
     assert table["best_max_lr"] in (2e-3, 1e-3)
-    assert (setup["results"] / "figures" / "lr_sensitivity.png").stat().st_size > 10_000
+    assert (setup["results"] / "figures" / "micro_lr_sensitivity.png").stat().st_size > 10_000
 
 
 @pytest.mark.slow

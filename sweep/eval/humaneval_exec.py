@@ -1,5 +1,6 @@
 """HumanEval pass@1 for lm-eval's ``process_results``: the completion runs with the problem's
-tests in a separate Python process (isolated mode, a temporary folder, a timeout), so a hanging or
+tests in a separate Python process (isolated mode, no site packages, a temporary folder, a
+timeout), so a hanging or
 crashing completion costs one failed problem, never the evaluation.
 
 lm-eval loads this file from the suite's task folder (``!function humaneval_exec.process_results``).
@@ -24,7 +25,7 @@ def passes(doc: dict, completion: str, timeout_s: float = TIMEOUT_S) -> bool:
     with tempfile.TemporaryDirectory() as tmp:
         try:
             done = subprocess.run(
-                [sys.executable, "-I", "-c", program(doc, completion)],
+                [sys.executable, "-I", "-S", "-c", program(doc, completion)],
                 cwd=tmp,
                 capture_output=True,
                 timeout=timeout_s,

@@ -44,8 +44,11 @@ BIGBENCH_TASKS = (WIKIHOW, MATHQA)
 _DATA = {MMLU: "mmlu_dev", HUMANEVAL: "humaneval", WIKIHOW: "wikihow", MATHQA: "mathqa"}
 BIGBENCH_FILE = "bigbench-1.0.0.tar.gz"
 BIGBENCH_INDEX = "https://pypi.org/simple/bigbench/"
-SUITE_VERSION = 1  # bump when a task's data or prompt changes: a new folder is built
+SUITE_VERSION = 2  # bump when a task's data, prompt or files change: a new folder is built
 
+HOOK = '"""lm-eval\'s hook for offline_humaneval: the executor is sweep/eval/humaneval_exec.py."""\n' + (
+    "from sweep.eval.humaneval_exec import process_results  # noqa: F401\n"
+)
 _MC_TEXT = "{{question.strip()}}\n{% for c in choices %}{{labels[loop.index0]}}. {{c}}\n{% endfor %}Answer:"
 
 
@@ -227,7 +230,9 @@ def task_dir(cache_root: Path | None = None, bigbench: bool = False) -> Path:
         _write_task(tmp / f"{MMLU}.yaml", _mc_task(MMLU, root / "mmlu_dev.jsonl"))
         _write_jsonl(tmp / "humaneval.jsonl", humaneval_problems())
         _write_task(tmp / f"{HUMANEVAL}.yaml", _humaneval_task(root / "humaneval.jsonl"))
-        shutil.copy(Path(__file__).with_name("humaneval_exec.py"), tmp / "humaneval_exec.py")
+        # lm-eval imports the hook from the task folder; the file there only points at ours, so
+        # a change to the executor needs no rebuild.
+        (tmp / "humaneval_exec.py").write_text(HOOK)
         if bigbench:
             archive = _bigbench_archive(cache / "downloads")
             wikihow = bigbench_docs(archive, "goal_step_wikihow", "step_inference")

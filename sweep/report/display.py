@@ -91,6 +91,19 @@ def display_table(
     return out
 
 
+def _bench_note(grid: Grid, scale: str, table: pd.DataFrame) -> str:
+    if not grid.eval.tasks:
+        return ""
+    scored = any(table[f"bench_{t}_n"].sum() for t in grid.eval.tasks)
+    if grid.eval.scored_by_sweep(scale) or scored:
+        return BENCH_NOTE
+    return (
+        f"Benchmarks: not scored at `{scale}`, where models score at chance; `make sweep` scores "
+        f"them at {', '.join(f'`{s}`' for s in grid.eval.scales)}, and `make eval GRID={grid.file} "
+        f"SCALE={scale}` scores these runs. "
+    )
+
+
 def markdown(grid: Grid, scale: str, table: pd.DataFrame, shown: pd.DataFrame, command: str) -> str:
     """The Markdown file: heading, the table, and notes that say what each column means."""
     header = (
@@ -103,7 +116,7 @@ def markdown(grid: Grid, scale: str, table: pd.DataFrame, shown: pd.DataFrame, c
         "Δ: Avg PPL minus the baseline's, paired by seed (negative is better); from three seeds on, "
         "a 95% t-interval follows in brackets. Mean ± sample std over seeds. "
         + "".join(PROBE_COLUMNS[c].note for c in grid.columns)
-        + (BENCH_NOTE if grid.eval.tasks else "")
+        + _bench_note(grid, scale, table)
         + 'A row whose every run diverged reads "diverged". '
         + (
             f"Paper columns: the paper's own numbers (`sweep/paper/{grid.paper_table}.csv`), "

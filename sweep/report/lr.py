@@ -1,4 +1,5 @@
-"""The learning-rate search report: ``results/lr_search.{md,csv}`` and ``figures/lr_sensitivity.png``."""
+"""The learning-rate search report: ``results/<grid>_lr_search.{md,csv}`` and
+``figures/<grid>_lr_sensitivity.png``."""
 
 from __future__ import annotations
 
@@ -82,11 +83,11 @@ def write_lr_report(
     command: str,
     ladder: bool = False,
 ) -> list[Path]:
-    """Write the table (Markdown and CSV) and the figure (``lr_search[_ladder][_<scale>].*``,
-    ``figures/lr_sensitivity[_ladder][_<scale>].png``); return their paths."""
+    """Write the table (Markdown and CSV) and the figure (``<grid>_lr_search[_ladder][_<scale>].*``,
+    ``figures/<grid>_lr_sensitivity[_ladder][_<scale>].png``); return their paths."""
     table = lr_table(grid, scale, studies, results_dir)
     suffix = ("_ladder" if ladder else "") + ("" if scale == "tiny" else f"_{scale}")
-    md, csv = results_dir / f"lr_search{suffix}.md", results_dir / f"lr_search{suffix}.csv"
+    md, csv = (results_dir / f"{grid.name}_lr_search{suffix}.{ext}" for ext in ("md", "csv"))
     shown = table.copy()
     for col in ("best_max_lr", "grid_max_lr"):
         shown[col] = [f"{v:.2e}" if not math.isnan(v) else "—" for v in table[col]]
@@ -100,7 +101,7 @@ def write_lr_report(
     )
     md.write_text(header + shown.to_markdown(index=False, disable_numparse=True) + "\n")
     table.to_csv(csv, index=False, float_format="%.6g")
-    figure = results_dir / "figures" / f"lr_sensitivity{suffix}.png"
+    figure = results_dir / "figures" / f"{grid.name}_lr_sensitivity{suffix}.png"
     figure.parent.mkdir(parents=True, exist_ok=True)
     lr_figure(grid, studies).savefig(figure, dpi=120)
     return [md, csv, figure]

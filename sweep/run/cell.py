@@ -13,7 +13,7 @@ from experiments.checkpointing import FINAL_CHECKPOINT
 from experiments.train import Training
 from sweep.grid import Cell
 from sweep.run.progress import ProgressPrinter
-from sweep.run.resume import ResumingMLFlowLogger
+from sweep.run.resume import FlushBeforeCheckpoint, ResumingMLFlowLogger
 from sweep.store import Tracker, user_tracking_env
 
 
@@ -64,7 +64,7 @@ def train_cell(
             cell.config,
             cache_root,
             logger=logger,
-            callbacks=[progress, *(extra_callbacks or [])],
+            callbacks=[progress, FlushBeforeCheckpoint(logger), *(extra_callbacks or [])],
             checkpoints=checkpoints,
         )
         tracker.log_json(run_id, run.probe_record, "probe_batch.json")
@@ -72,10 +72,12 @@ def train_cell(
         try:
             run.fit(resume_from)
         finally:  # diverged or not, the spikes seen so far are data
+            logger.flush()
             tracker.log_metrics(run_id, {N.LOSS_SPIKES: len(run.spikes)}, step=run.step)
             spikes = [{"step": s, "loss": v} for s, v in run.spikes]
             tracker.log_json(run_id, {"rule": run.spike_rule(), "spikes": spikes}, "stability.json")
         final = run.finish()
+        logger.flush()
         final[N.PARAMS_ADDED] = final[N.PARAMS_TOTAL] - reference_params
         tracker.log_metrics(run_id, {k: final[k] for k in (N.PARAMS_TOTAL, N.PARAMS_ACTIVE, N.PARAMS_ADDED)})
         run.save_weights(checkpoints / FINAL_CHECKPOINT)

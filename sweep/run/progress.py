@@ -17,10 +17,15 @@ def _clock(seconds: float) -> str:
 
 
 class SweepClock:
-    """Estimates the time left in a sweep from the cells finished so far."""
+    """Estimates the time left in a sweep from the cells finished so far.
+
+    A queue worker sets :attr:`waiting` (cells no worker has taken yet) and :attr:`parallel`
+    (workers training now) from the queue each time it takes a cell."""
 
     def __init__(self, n_cells: int) -> None:
         self.n_cells, self.done, self.spent = n_cells, 0, 0.0
+        self.waiting: int | None = None
+        self.parallel = 1
 
     def cell_done(self, seconds: float) -> None:
         self.done += 1
@@ -29,7 +34,8 @@ class SweepClock:
     def left(self, current_cell_left: float, current_cell_total: float) -> float:
         """Seconds left in the sweep, given the running cell's own estimate."""
         per_cell = self.spent / self.done if self.done else current_cell_total
-        return current_cell_left + per_cell * max(0, self.n_cells - self.done - 1)
+        others = self.waiting if self.waiting is not None else max(0, self.n_cells - self.done - 1)
+        return current_cell_left + per_cell * others / self.parallel
 
 
 class ProgressPrinter(pl.Callback):

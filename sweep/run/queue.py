@@ -220,6 +220,9 @@ def run_worker(
             continue
         cell = by_key[trial.user_attrs["run_key"]]
         prefix = f"[{me}] {cell.row.id} s{cell.seed}"
+        states = [t.state for t in queue.in_flight() if t.user_attrs.get("run_key") in by_key]
+        clock.waiting = states.count(TrialState.WAITING)
+        clock.parallel = max(1, states.count(TrialState.RUNNING))
         if stop.signum is not None:  # the signal came while popping: give the cell back
             record(queue, trial, Outcome.KILLED, "not started: the worker was interrupted")
             break
@@ -265,9 +268,10 @@ def run_queued_sweep(
         f"{workers} workers, {unique - len(wanted)} finished earlier; "
         f"queue {queue_name(cells[0].scale)} in {url}"
     )
-    threads = max(1, (os.cpu_count() or 1) // workers)
-    command = [sys.executable, "-m", "sweep.cli", "worker", *worker_args, "--threads", str(threads)]
-    procs = [subprocess.Popen(command) for _ in range(workers if wanted and stop.signum is None else 0)]
+    command = [sys.executable, "-m", "sweep.cli", "worker", *worker_args]  # each pins its threads
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # progress lines as they come, into a log file too
+    count = workers if wanted and stop.signum is None else 0
+    procs = [subprocess.Popen(command, env=env) for _ in range(count)]
     forwarded = False
     while any(p.poll() is None for p in procs):
         if stop.signum is not None and not forwarded:

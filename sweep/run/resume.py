@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any
 
+import lightning.pytorch as pl
 from lightning.pytorch.loggers import MLFlowLogger
 
 from experiments.names import Status
@@ -46,24 +48,64 @@ def logged_steps(client: Any, run_id: str) -> dict[str, int]:
 
 
 class ResumingMLFlowLogger(MLFlowLogger):
-    """``MLFlowLogger`` that drops a metric at a step the run already holds.
+    """``MLFlowLogger`` that writes its points in batches and never writes a step twice.
 
-    A run resumed from step ``k`` replays the steps between ``k`` and where it was killed; their
-    points are already stored (the same values on a deterministic run), so each step keeps one
-    point per metric.
+    - **Batched.** Points are held and written in one ``log_batch`` every ``flush_every`` steps
+      (one store transaction instead of one per step), and whenever :meth:`flush` is called:
+      before each checkpoint is saved (:class:`FlushBeforeCheckpoint`), when Lightning finalises
+      the logger (the end of ``fit``, an exception) and when the cell ends. A process killed
+      between two flushes loses at most the points after its last checkpoint, and the resumed run
+      trains those steps again and logs them.
+    - **Resumed.** A run resumed from step ``k`` replays the steps between ``k`` and where it was
+      killed; points already stored (the same values on a deterministic run) are dropped, so
+      each step keeps one point per metric.
 
     Args:
         logged: metric key -> highest step already logged (:func:`logged_steps`).
+        flush_every: steps held before a write.
         **kwargs: as for ``MLFlowLogger``.
     """
 
-    def __init__(self, logged: dict[str, int] | None = None, **kwargs: Any) -> None:
+    def __init__(self, logged: dict[str, int] | None = None, flush_every: int = 50, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.logged = dict(logged or {})
+        self.flush_every = flush_every
+        self._pending: list[Any] = []
+        self._pending_steps: set[int] = set()
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        if step is not None and self.logged:
+        from mlflow.entities import Metric
+
+        step = step or 0
+        if self.logged:
             metrics = {k: v for k, v in metrics.items() if step > self.logged.get(k, -1)}
-            if not metrics:
-                return
-        super().log_metrics(metrics, step)
+        now = int(time.time() * 1000)
+        self._pending += [
+            Metric(k, float(v), now, step) for k, v in metrics.items() if not isinstance(v, str)
+        ]
+        self._pending_steps.add(step)
+        if len(self._pending_steps) >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write every held point (in batches of MLflow's 1,000-metric limit)."""
+        for i in range(0, len(self._pending), 1000):
+            self.experiment.log_batch(self.run_id, metrics=self._pending[i : i + 1000])
+        self._pending, self._pending_steps = [], set()
+
+    def finalize(self, status: str = "success") -> None:
+        self.flush()
+        super().finalize(status)
+
+
+class FlushBeforeCheckpoint(pl.Callback):
+    """Writes the logger's held points before a training-state checkpoint is saved, so the store
+    holds every step before the one a resumed run starts from."""
+
+    def __init__(self, logger: ResumingMLFlowLogger) -> None:
+        self.logger = logger
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict
+    ) -> None:
+        self.logger.flush()

@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from experiments import names as N
 from experiments.checkpointing import drop_step_checkpoints, latest_checkpoint
 from experiments.corpus import build_corpus
@@ -33,6 +35,17 @@ class CellResult:
     seconds: float = 0.0
     note: str = ""
     avg_ppl: float | None = None  # the final validation Avg PPL of a cell trained to the end
+
+
+#: Torch threads of every cell on the CPU. Fixed, so a cell's arithmetic, and so its numbers, does
+#: not depend on how many workers share the machine: the workers are the parallelism. On 2 cores
+#: two one-thread workers trained 1.49x the tokens per second of one two-thread process.
+CELL_THREADS = 1
+
+
+def pin_threads() -> None:
+    """Set this process's torch threads to :data:`CELL_THREADS`."""
+    torch.set_num_threads(CELL_THREADS)
 
 
 def quiet_lightning() -> None:
@@ -98,6 +111,7 @@ def prepare_sweep(
     """
     check_runnable(grid, cells)
     quiet_lightning()
+    pin_threads()
     scale = cells[0].scale
     uri = tracking_uri(results_dir)
     check_reachable(uri)

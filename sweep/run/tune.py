@@ -36,7 +36,7 @@ from experiments.stability import Diverged
 from sweep.grid import Cell, Grid, Row, run_key
 from sweep.run.cell import checkpoint_dir, train_cell
 from sweep.run.progress import ProgressPrinter, SweepClock
-from sweep.run.runner import quiet_lightning
+from sweep.run.runner import pin_threads, quiet_lightning
 from sweep.store import Tracker, tracking_uri
 from sweep.studies import DIVERGED_ATTR, make_storage, storage_url, trial_outcome
 
@@ -120,6 +120,7 @@ def tune_row(
         The study.
     """
     quiet_lightning()
+    pin_threads()
     name = study_name(grid, scale, row, ladder=bool(ladder))
     url = storage_url(results_dir, storage)
     study = optuna.create_study(

@@ -1,0 +1,37 @@
+"""``make gpu-check`` cannot rot between GPU sessions: its dry run exercises every check that needs
+no CUDA on the CPU, and its FLOP count is checked by hand."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import use_repo_cache
+
+from experiments.config import DataConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig
+from sweep.gpu_check import flops_per_token, main
+
+
+def test_model_flops_count_active_matmul_parameters_and_attention() -> None:
+    shape = {"vocab_size": 300, "d_model": 8, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "head_dim": 4}
+    train, data = TrainConfig(seq_len=32, max_steps=10, warmup_steps=1), DataConfig(vocab_size=300)
+    attention = 12 * 2 * 2 * 4 * 32  # 12 L H D T
+    dense = RunConfig(model=ModelConfig(**shape, ffn_dim=16), train=train, data=data)
+    total, _ = dense.model.param_counts()
+    assert flops_per_token(dense) == 6 * (total - 300 * 8) + attention  # the embedding is a lookup
+    moe = RunConfig(
+        model=ModelConfig(**shape, moe=MoEConfig(n_experts=4, top_k=1, expert_dim=16)), train=train, data=data
+    )
+    _, active = moe.model.param_counts()
+    assert flops_per_token(moe) == 6 * (active - 300 * 8) + attention  # unchosen experts cost nothing
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:You called .self.log:UserWarning")
+def test_the_dry_run_passes_every_check_on_the_cpu(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    use_repo_cache(monkeypatch)
+    assert main(["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    for name in ("bf16-mixed training", "MoE experts", "probes", "speed"):
+        assert f"[ok] {name}" in out
+    assert "table1 baseline" in out and "table2 sdpa_elementwise_28l" in out
