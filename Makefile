@@ -28,7 +28,7 @@ PY   := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS := --grid $(GRID) --scale $(SCALE) $(if $(SEEDS),--seeds $(SEEDS)) $(if $(ROWS),--rows $(ROWS)) $(if $(FORCE),--force)
 
-.PHONY: setup sweep eval tables params tune dashboard throughput bench bench-moe gpu-check ui test lint clean
+.PHONY: setup sweep eval tables init-table params tune dashboard throughput bench bench-moe gpu-check ui test lint clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -46,6 +46,10 @@ eval: $(STAMP)
 
 tables: $(STAMP)
 	$(PY) -m sweep.cli tables $(ARGS)
+
+# the gate at initialisation at tiny and paper width, fixed vs width-aware init (results/init_distribution.md)
+init-table: $(STAMP)
+	$(PY) -m sweep.report.init_table
 
 params: $(STAMP)
 	$(PY) -m sweep.cli params $(ARGS)

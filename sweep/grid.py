@@ -29,7 +29,7 @@ from typing import Any
 from experiments.config import RunConfig, TrainConfig
 from experiments.corpus import recipe_hash
 from experiments.names import ProbeColumn
-from experiments.strict import ConfigError, from_dict, to_dict
+from experiments.strict import ConfigError, from_dict, identity_dict, to_dict
 from sweep.gridfile import GridError, read_yaml
 
 _RELATIVE = re.compile(r"^x(\d+(?:\.\d+)?|\d+/[1-9]\d*)$")
@@ -63,6 +63,9 @@ class Row:
     compare_to: str | None = None
     """The row this one's Δ PPL and added parameters are measured against (default: the grid's
     ``baseline_row``); Table 2 compares each 48-layer row with the 48-layer baseline, say."""
+    paper_table: str | None = None
+    """The paper table ``paper_row`` refers to, when not the grid's: a control row of Table 1
+    whose paper figures are in Table 4, say."""
     model: dict[str, Any] = field(default_factory=dict)
     train: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)
@@ -138,6 +141,11 @@ class GridSpec:
     """Probe columns the Markdown / LaTeX table shows beside PPL (``experiments.names.PROBE_COLUMNS``)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Benchmarks run on every finished run (``sweep.eval``)."""
+    share_of: str | None = None
+    """A row whose Δ Avg PPL the others' are divided by (the "share of G1's gain" column)."""
+    curve_rows: tuple[str, ...] = ()
+    """Rows whose ranking must hold over the last third of training (``sweep.report.curves``);
+    default every row."""
     inherit: str | None = None
 
     def __post_init__(self) -> None:
@@ -190,6 +198,10 @@ class Grid:
     columns: tuple[str, ...]
     """Probe columns the Markdown / LaTeX table shows (``GridSpec.columns``)."""
     eval: EvalConfig
+    share_of: str | None = None
+    """The row of the "share of its gain" column (``GridSpec.share_of``), or None."""
+    curve_rows: tuple[str, ...] = ()
+    """Rows whose ranking the curves report checks (``GridSpec.curve_rows``); empty: all."""
 
     def row_ids(self) -> list[str]:
         return [r.id for r in self.rows]
@@ -260,16 +272,23 @@ class Grid:
 
 def run_key(cfg: RunConfig) -> str:
     """16 hex chars of sha256 over the canonical JSON of the resolved config (seed included, the
-    placement fields ``TrainConfig.PLACEMENT`` left out) and the corpus recipe hash (which also
+    placement fields ``TrainConfig.PLACEMENT`` and later options at their defaults left out:
+    ``experiments.strict.identity_dict``) and the corpus recipe hash (which also
     covers source pins and the stdlib's Python version).
 
     Two grids that resolve a cell to the same config share its run: it is trained once."""
-    config = to_dict(cfg)
+    config = identity_dict(cfg)
     for name in TrainConfig.PLACEMENT:
         del config["train"][name]
     payload = {"config": config, "corpus": recipe_hash(cfg.data)}
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def table_number(row: Row, position: int) -> int:
+    """The "#" a table prints for ``row`` at 1-based ``position``: its ``paper_row``, unless that
+    refers to another paper table (a control row) or is missing."""
+    return row.paper_row if row.paper_row is not None and row.paper_table is None else position
 
 
 def paper_csv(name: str) -> Path:
@@ -297,11 +316,24 @@ def load_grid(file: str | Path) -> Grid:
     for i, rid in enumerate(ids):
         if rid in ids[:i]:
             raise GridError(file, "duplicate row id", rid, "id")
-    if spec.paper_table is not None and not paper_csv(spec.paper_table).is_file():
-        known = sorted(p.name.removesuffix(".csv") for p in paper_csv("").parent.iterdir())
+    known = sorted(p.name.removesuffix(".csv") for p in paper_csv("").parent.iterdir())
+    if spec.paper_table is not None and spec.paper_table not in known:
         raise GridError(
             file, f"unknown paper table {spec.paper_table!r}; known: {', '.join(known)}", path="paper_table"
         )
+    for row in spec.rows:
+        if row.paper_table is not None and row.paper_table not in known:
+            raise GridError(
+                file,
+                f"unknown paper table {row.paper_table!r}; known: {', '.join(known)}",
+                row.id,
+                "paper_table",
+            )
+    if spec.share_of is not None and spec.share_of not in ids:
+        raise GridError(file, f"names no row of the grid: '{spec.share_of}'", path="share_of")
+    for rid in spec.curve_rows:
+        if rid not in ids:
+            raise GridError(file, f"names no row of the grid: '{rid}'", path="curve_rows")
     for scale in spec.eval.scales or ():
         if scale not in spec.scales:
             raise GridError(file, f"names no scale of the grid: '{scale}'", path="eval.scales")
@@ -322,6 +354,8 @@ def load_grid(file: str | Path) -> Grid:
         paper_table=spec.paper_table,
         columns=spec.columns,
         eval=spec.eval,
+        share_of=spec.share_of,
+        curve_rows=spec.curve_rows,
     )
     for scale in grid.scales:
         grid.cells(scale)
