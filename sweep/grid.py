@@ -16,12 +16,10 @@ key path.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import re
 from dataclasses import dataclass, field
-from fractions import Fraction
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -30,9 +28,8 @@ from experiments.config import RunConfig, TrainConfig
 from experiments.corpus import recipe_hash
 from experiments.names import ProbeColumn
 from experiments.strict import ConfigError, from_dict, identity_dict, to_dict
-from sweep.gridfile import GridError, read_yaml
+from sweep.gridfile import GridError, deep_merge, inherit, read_yaml
 
-_RELATIVE = re.compile(r"^x(\d+(?:\.\d+)?|\d+/[1-9]\d*)$")
 _ROW_ID = re.compile(r"^[a-z0-9_]+$")
 _ROW_PATH = re.compile(r"^rows\[(\d+)\](?:\.(.*))?$")
 
@@ -146,6 +143,9 @@ class GridSpec:
     curve_rows: tuple[str, ...] = ()
     """Rows whose ranking must hold over the last third of training (``sweep.report.curves``);
     default every row."""
+    lr_ladder: tuple[float, ...] = ()
+    """The max LRs of the grid's stability ladder (``make stability``), increasing; each at least
+    every cell's ``train.min_lr``. Empty: the grid has none."""
     inherit: str | None = None
 
     def __post_init__(self) -> None:
@@ -167,6 +167,9 @@ class GridSpec:
             raise ConfigError(
                 "seeds", f"must be a positive count or a list of distinct integers >= 0, got {seeds!r}"
             )
+        ladder = list(self.lr_ladder)
+        if any(lr <= 0 for lr in ladder) or ladder != sorted(set(ladder)):
+            raise ConfigError("lr_ladder", f"must be distinct positive LRs in increasing order, got {ladder}")
 
 
 @dataclass(frozen=True)
@@ -202,6 +205,8 @@ class Grid:
     """The row of the "share of its gain" column (``GridSpec.share_of``), or None."""
     curve_rows: tuple[str, ...] = ()
     """Rows whose ranking the curves report checks (``GridSpec.curve_rows``); empty: all."""
+    lr_ladder: tuple[float, ...] = ()
+    """The stability ladder's max LRs (``GridSpec.lr_ladder``)."""
 
     def row_ids(self) -> list[str]:
         return [r.id for r in self.rows]
@@ -213,13 +218,13 @@ class Grid:
             GridError: naming ``scales.<scale>.<key>`` when base + scale are invalid by
                 themselves, else the row and the key path, with the scale.
         """
-        merged = _deep_merge(self.base, self.scales[scale], "", row=None, file=self.file)
+        merged = deep_merge(self.base, self.scales[scale], "", row=None, file=self.file)
         if row is None:
             try:
                 return from_dict(RunConfig, {**merged, "seed": seed})
             except ConfigError as err:
                 raise GridError(self.file, err.message, path=f"scales.{scale}.{err.path}") from None
-        merged = _deep_merge(merged, row.overrides, "", row=row.id, file=self.file)
+        merged = deep_merge(merged, row.overrides, "", row=row.id, file=self.file)
         try:
             return from_dict(RunConfig, {**merged, "seed": seed})
         except ConfigError as err:
@@ -307,7 +312,7 @@ def load_grid(file: str | Path) -> Grid:
     if not isinstance(raw, dict):
         raise GridError(file, f"must be a mapping, got {type(raw).__name__}", path="(top level)")
     if "inherit" in raw:
-        raw = _inherit(file, raw)
+        raw = inherit(file, raw)
     try:
         spec = from_dict(GridSpec, raw)
     except ConfigError as err:
@@ -356,9 +361,18 @@ def load_grid(file: str | Path) -> Grid:
         eval=spec.eval,
         share_of=spec.share_of,
         curve_rows=spec.curve_rows,
+        lr_ladder=spec.lr_ladder,
     )
     for scale in grid.scales:
-        grid.cells(scale)
+        for cell in grid.cells(scale):
+            if grid.lr_ladder and grid.lr_ladder[0] < cell.config.train.min_lr:
+                low, min_lr = grid.lr_ladder[0], cell.config.train.min_lr
+                raise GridError(
+                    file,
+                    f"rung {low:g} is below train.min_lr {min_lr:g} (at scale '{scale}')",
+                    cell.row.id,
+                    "lr_ladder",
+                )
     return grid
 
 
@@ -372,56 +386,3 @@ def _grid_error(file: Path, raw: dict, err: ConfigError) -> GridError:
     return GridError(
         file, err.message, rid if isinstance(rid, str) else f"rows[{match.group(1)}]", match.group(2)
     )
-
-
-def _deep_merge(base: dict, over: dict, path: str, row: str | None, file: Path) -> dict:
-    """``base`` updated by ``over`` recursively; ``xN`` strings scale the base's number."""
-    out = copy.deepcopy(base)
-    for key, value in over.items():
-        key_path = f"{path}.{key}" if path else key
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value, key_path, row, file)
-        elif isinstance(value, str) and _RELATIVE.match(value):
-            out[key] = _scaled(out.get(key), Fraction(_RELATIVE.match(value).group(1)), key_path, row, file)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
-def _scaled(current: Any, factor: Fraction, path: str, row: str | None, file: Path) -> int | float:
-    """``current * factor``, exact for integers (``x12/7`` of 28 layers is 48, not 47.99...)."""
-    if isinstance(current, bool) or not isinstance(current, (int, float)):
-        raise GridError(
-            file, f"'x{factor}' needs a number set by base or scale, found {current!r}", row, path
-        )
-    if isinstance(current, int):
-        value = current * factor
-        if value.denominator != 1:
-            raise GridError(
-                file, f"impossible shape: {current} x {factor} = {float(value):g} is not whole", row, path
-            )
-        return int(value)
-    return current * float(factor)
-
-
-def _inherit(file: Path, raw: dict) -> dict:
-    """``raw`` with the inherited grid's ``base`` and ``scales`` beneath its own (deep-merged)."""
-    ref = raw["inherit"]
-    if not isinstance(ref, str):
-        raise GridError(file, "must be a path to another grid file", path="inherit")
-    parent_file = file.parent / ref
-    if not parent_file.is_file():
-        raise GridError(file, f"inherited grid {parent_file} does not exist", path="inherit")
-    parent = read_yaml(parent_file)
-    if not isinstance(parent, dict):
-        raise GridError(parent_file, "must be a mapping", path="(top level)")
-    if "inherit" in parent:
-        raise GridError(file, f"{parent_file} inherits in turn; one level only", path="inherit")
-    merged = dict(raw)
-    for key in ("base", "scales"):
-        mine, theirs = raw.get(key) or {}, parent.get(key) or {}
-        for where, value in ((file, mine), (parent_file, theirs)):
-            if not isinstance(value, dict):
-                raise GridError(where, f"must be a mapping, got {type(value).__name__}", path=key)
-        merged[key] = _deep_merge(theirs, mine, key, None, file)
-    return merged

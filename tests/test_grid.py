@@ -252,6 +252,16 @@ BAD = {
     "unknown_row_key": (GOOD + "  - {id: x, requires: [moe]}\n", "row 'x': requires: unknown key", None),
     "bad_row_id": (GOOD + "  - {id: X-1}\n", "rows[2].id: needs an 'id' of [a-z0-9_]", None),
     "bad_eval": (GOOD + "eval: {tasks: [a], num_fewshot: {b: 1}}\n", "eval.num_fewshot.b: must map", None),
+    "unordered_lr_ladder": (
+        GOOD + "lr_ladder: [1e-2, 1e-3]\n",
+        "lr_ladder: must be distinct positive LRs in increasing order, got [0.01, 0.001]",
+        None,
+    ),
+    "lr_ladder_below_min_lr": (
+        GOOD + "lr_ladder: [1e-5, 1e-2]\n",
+        "row 'baseline': lr_ladder: rung 1e-05 is below train.min_lr 3e-05 (at scale 'tiny')",
+        None,
+    ),
 }
 
 
