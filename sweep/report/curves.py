@@ -25,12 +25,14 @@ STABLE_RANKS = 1 / 3  # the ranking check reads the last third
 
 def metric_curves(runs: pd.DataFrame, client, key: str = N.VAL_PPL_AVG) -> pd.DataFrame:
     """``key``'s history of every finished run: one line per (row, seed, step) with ``value``;
-    ``step`` counts the optimiser steps taken at that validation (Lightning logs a validation at
-    MLflow step ``steps - 1``)."""
+    ``step`` counts the optimiser steps taken at that point (Lightning logs a validation at MLflow
+    step ``steps - 1``; the probes after training are logged at ``train.max_steps``)."""
     lines = []
     for run in runs[runs["status"] == Status.FINISHED].itertuples():
+        last = int(client.get_run(run.run_id).data.params.get("train.max_steps", 0)) or None
         for m in client.get_metric_history(run.run_id, key):
-            lines.append({"row": run.row, "seed": run.seed, "step": m.step + 1, "value": m.value})
+            step = m.step + 1 if last is None else min(m.step + 1, last)
+            lines.append({"row": run.row, "seed": run.seed, "step": step, "value": m.value})
     return pd.DataFrame(lines, columns=["row", "seed", "step", "value"])
 
 
