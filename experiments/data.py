@@ -25,8 +25,10 @@ class RandomWindows(Dataset):
     def __init__(
         self, tokens: np.ndarray, seq_len: int, n_samples: int, seed: int, sequence_tokens: int | None = None
     ) -> None:
-        if len(tokens) <= seq_len + 1 or (sequence_tokens or seq_len + 1) < seq_len + 1:
+        if len(tokens) <= seq_len + 1:
             raise ValueError(f"{len(tokens)} training tokens cannot fill one window of {seq_len + 1}")
+        if sequence_tokens is not None and sequence_tokens < seq_len + 1:
+            raise ValueError(f"a window of {seq_len + 1} tokens does not fit a sequence of {sequence_tokens}")
         self.tokens, self.seq_len = tokens, seq_len
         rng = np.random.default_rng(seed)
         if sequence_tokens:

@@ -191,6 +191,10 @@ class GatedLM(nn.Module):
         self.keep_hidden = False
         self.hidden_states: list[torch.Tensor] = []
         self.apply(self._init_weights)
+        if cfg.tie_embeddings and cfg.linear_init_std() != cfg.init_std:
+            # apply() drew the tied LM head last, at the linear std: the embedding's std wins (only
+            # here, so models without the width-aware init draw exactly what they always drew)
+            nn.init.normal_(self.embed.weight, mean=0.0, std=cfg.init_std)
 
     def _init_weights(self, module: nn.Module) -> None:
         # Qwen3 init: N(0, initializer_range) for every linear and embedding; gate rows included.

@@ -60,6 +60,9 @@ def test_width_aware_init_leaves_the_paper_width_and_the_embeddings_unchanged() 
     tiny = GatedLM(dataclasses.replace(TINY, init_ref_width=2048))
     assert float(tiny.embed.weight.detach().std()) == pytest.approx(0.02, rel=0.05)
     assert float(tiny.blocks[0].attn.in_proj.weight.detach().std()) == pytest.approx(0.08, rel=0.05)
+    torch.manual_seed(0)
+    tied = GatedLM(dataclasses.replace(TINY, init_ref_width=2048, tie_embeddings=True))
+    assert float(tied.lm_head.weight.detach().std()) == pytest.approx(0.02, rel=0.05)  # the embedding's
 
 
 def test_an_option_at_its_default_leaves_the_run_key_alone() -> None:

@@ -2,9 +2,8 @@
 row's side of the baseline held over the last half of training, and whether the rows' ranking held
 over the last third (``results/<grid>_curves.{md,csv}``, ``figures/<grid>_curves.png``).
 
-A small model's table at one step can measure training *speed* rather than where a variant ends
-(SiLU's 18 % lead over sigmoid at step 300 of the tiny model was gone by step 1,500); a row whose
-side of the baseline flips late says its Δ is not settled at this budget.
+A small model's table at one step can measure training *speed* rather than where a variant ends;
+a row whose side of the baseline flips late says its Δ is not settled at this budget.
 """
 
 from __future__ import annotations

@@ -169,8 +169,9 @@ def markdown(grid: Grid, scale: str, table: pd.DataFrame, shown: pd.DataFrame, c
         + _bench_note(grid, scale, table)
         + 'A row whose every run diverged reads "diverged". '
         + (
-            f"Paper columns: the paper's own numbers (`sweep/paper/{grid.paper_table}.csv`), "
-            "for direction, not magnitude. "
+            f"Paper columns: the paper's own numbers (`sweep/paper/{grid.paper_table}.csv`"
+            + "".join(f"; row {r.label!r}: `{r.paper_table}.csv`" for r in grid.rows if r.paper_table)
+            + "), for direction, not magnitude. "
             if grid.paper_table
             else ""
         )

@@ -187,7 +187,10 @@ def build_table(grid: Grid, scale: str, runs: pd.DataFrame) -> pd.DataFrame:
     table = pd.DataFrame(lines)
     if grid.share_of is not None:
         share = table.set_index("id").loc[grid.share_of]
-        is_reference = table["id"] == table["compare_to"]
-        table["share_of_gain"] = (table["delta_avg_ppl"] / share["delta_avg_ppl"]).mask(is_reference)
-        table["paper_share_of_gain"] = (table["paper_delta"] / share["paper_delta"]).mask(is_reference)
+        # only rows measured against the share row's own reference, and never over a zero gain
+        off = (table["id"] == table["compare_to"]) | (table["compare_to"] != share["compare_to"])
+        ours = share["delta_avg_ppl"] if share["delta_avg_ppl"] else math.nan
+        paper = share["paper_delta"] if share["paper_delta"] else math.nan
+        table["share_of_gain"] = (table["delta_avg_ppl"] / ours).mask(off)
+        table["paper_share_of_gain"] = (table["paper_delta"] / paper).mask(off)
     return table
