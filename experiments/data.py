@@ -15,17 +15,26 @@ from experiments.corpus import Corpus, build_corpus
 
 
 class RandomWindows(Dataset):
-    """``n_samples`` training windows of ``seq_len + 1`` tokens at seeded random offsets.
+    """``n_samples`` training windows of ``seq_len + 1`` tokens at seeded random offsets, or, with
+    ``sequence_tokens`` (a synthetic task), at the start of seeded random sequences.
 
     Item ``i`` is fixed by (seed, i), so the data order is reproducible and a run that resumes at
     batch ``k`` sees the same batches as one that never stopped.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, n_samples: int, seed: int) -> None:
+    def __init__(
+        self, tokens: np.ndarray, seq_len: int, n_samples: int, seed: int, sequence_tokens: int | None = None
+    ) -> None:
         if len(tokens) <= seq_len + 1:
             raise ValueError(f"{len(tokens)} training tokens cannot fill one window of {seq_len + 1}")
+        if sequence_tokens is not None and sequence_tokens < seq_len + 1:
+            raise ValueError(f"a window of {seq_len + 1} tokens does not fit a sequence of {sequence_tokens}")
         self.tokens, self.seq_len = tokens, seq_len
-        self.starts = np.random.default_rng(seed).integers(0, len(tokens) - seq_len - 1, size=n_samples)
+        rng = np.random.default_rng(seed)
+        if sequence_tokens:
+            self.starts = rng.integers(0, len(tokens) // sequence_tokens, size=n_samples) * sequence_tokens
+        else:
+            self.starts = rng.integers(0, len(tokens) - seq_len - 1, size=n_samples)
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -70,15 +79,18 @@ class HeldOutWindows(Dataset):
     """Contiguous, non-overlapping windows over the first ``max_tokens`` held-out tokens.
 
     Consecutive windows overlap by one token so every held-out token after the first is predicted
-    exactly once; the same tokens for every run of a corpus.
+    exactly once; the same tokens for every run of a corpus. With ``sequence_tokens`` (a synthetic
+    task), one window at the start of each sequence instead.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, max_tokens: int) -> None:
+    def __init__(
+        self, tokens: np.ndarray, seq_len: int, max_tokens: int, sequence_tokens: int | None = None
+    ) -> None:
         n = min(len(tokens), max_tokens)
         if n < seq_len + 1:
             raise ValueError(f"held-out split has {n} tokens, fewer than one window of {seq_len + 1}")
         self.tokens, self.seq_len = tokens, seq_len
-        self.starts = list(range(0, n - seq_len, seq_len))  # window [s, s + seq_len] fits in n
+        self.starts = list(range(0, n - seq_len, sequence_tokens or seq_len))  # [s, s + seq_len] fits in n
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -120,7 +132,10 @@ class CorpusDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         t = self.train_cfg
-        ds = RandomWindows(self.corpus.tokens("train"), t.seq_len, t.max_steps * t.batch_size, self.seed)
+        ds = RandomWindows(
+            self.corpus.tokens("train"), t.seq_len, t.max_steps * t.batch_size, self.seed,
+            self.corpus.sequence_tokens,
+        )  # fmt: skip
         # A resumed fit has restored the trainer's step before it asks for this loader.
         steps_done = self.trainer.global_step if self.trainer is not None else 0
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
@@ -133,7 +148,10 @@ class CorpusDataModule(pl.LightningDataModule):
         t = self.train_cfg
         return [
             DataLoader(
-                HeldOutWindows(self.corpus.tokens("val", d), t.seq_len, t.val_tokens), batch_size=t.batch_size
+                HeldOutWindows(
+                    self.corpus.tokens("val", d), t.seq_len, t.val_tokens, self.corpus.sequence_tokens
+                ),
+                batch_size=t.batch_size,
             )
             for d in self.corpus.domains
         ]

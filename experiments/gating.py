@@ -57,6 +57,8 @@ class AttentionGate(nn.Module):
         #: When not None, ``forward`` stores the last gate scores here (B, T, H or 1, W); for probes.
         self.recorded_scores: torch.Tensor | None = None
         self.record = False
+        #: When True, ``forward`` returns its input unchanged (``experiments.init_stats`` compares).
+        self.bypass = False
 
     def scores(self, logits: torch.Tensor | None, batch_shape: tuple[int, int]) -> torch.Tensor:
         """Gate scores act(XW), shape (B, T, H, W), or (B, T, 1, W) when head-shared.
@@ -84,6 +86,8 @@ class AttentionGate(nn.Module):
         Returns:
             (B, T, H, D), the gated values.
         """
+        if self.bypass:
+            return y
         if self.cfg.kind == "silu":
             return F.silu(y)
         if self.cfg.kind == "rmsnorm":

@@ -14,10 +14,13 @@ from torch import nn
 
 from experiments import names as N
 from experiments.config import RunConfig, TrainConfig
+from experiments.init_stats import init_statistics
 from experiments.model import GatedLM, count_active_parameters, count_parameters
 from experiments.moe import MoEFFN, RouterStats, auxiliary_loss, mean_load_cv, router_stats
 from experiments.probes import ProbeResult, run_probes
 from experiments.stability import Diverged, SpikeDetector, check_divergence, divergence_bound
+
+INIT_PROBE_SEQS = 8  # probe sequences the step-0 gate statistics read
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -144,6 +147,15 @@ class LMModule(pl.LightningModule):
         self.log(N.TRAIN_Z_LOSS, z, on_step=True, logger=True)
         self.log(N.MOE_LOAD_CV, mean_load_cv(stats), on_step=True, logger=True)
         return loss + total
+
+    def on_fit_start(self) -> None:
+        """Log the gate's statistics at initialisation (``experiments.init_stats``) at step 0, on
+        the first :data:`INIT_PROBE_SEQS` probe sequences; a resumed fit has logged them already."""
+        if self.global_step == 0 and self.probe_tokens is not None and self.logger is not None:
+            tokens = self.probe_tokens[:INIT_PROBE_SEQS].to(self.device)
+            stats = init_statistics(self.model, tokens)
+            if stats:
+                self.logger.log_metrics(stats, step=0)
 
     def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> None:
         if self._resumed_rng is not None:  # the state saved at the start of this same step

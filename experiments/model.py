@@ -191,14 +191,22 @@ class GatedLM(nn.Module):
         self.keep_hidden = False
         self.hidden_states: list[torch.Tensor] = []
         self.apply(self._init_weights)
+        if cfg.tie_embeddings and cfg.linear_init_std() != cfg.init_std:
+            # apply() drew the tied LM head last, at the linear std: the embedding's std wins (only
+            # here, so models without the width-aware init draw exactly what they always drew)
+            nn.init.normal_(self.embed.weight, mean=0.0, std=cfg.init_std)
 
     def _init_weights(self, module: nn.Module) -> None:
         # Qwen3 init: N(0, initializer_range) for every linear and embedding; gate rows included.
-        if isinstance(module, (nn.Linear, nn.Embedding)):
+        # The width-aware option widens the linear weights only (ModelConfig.linear_init_std).
+        std = self.cfg.linear_init_std()
+        if isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
+        elif isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, MoEFFN):  # its experts are stacked matrices, not nn.Linear
-            nn.init.normal_(module.w_gate_up, mean=0.0, std=self.cfg.init_std)
-            nn.init.normal_(module.w_down, mean=0.0, std=self.cfg.init_std)
+            nn.init.normal_(module.w_gate_up, mean=0.0, std=std)
+            nn.init.normal_(module.w_down, mean=0.0, std=std)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """(B, T) token ids -> (B, T, V) next-token logits. With a :class:`KVCache`, the tokens

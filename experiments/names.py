@@ -37,6 +37,11 @@ DIVERGED_STEP = "stability/diverged_step"
 GATE_PREFIX = "gate/"  # gate/score_mean, gate/score_q01 ... q99, gate/frac_below_0.1 ...
 GATE_SCORE_MEAN = "gate/score_mean"
 F_ATTN = "sink/first_token_attn"  # attention on the first token, mean over layers, heads and queries
+F_ATTN_LATE = "sink/first_token_attn_late"  # the same without the first LATE_QUERY queries
+F_ATTN_FLOOR = "sink/first_token_floor"  # what uniform causal attention gives at the probe's T
+F_ATTN_LATE_FLOOR = "sink/first_token_floor_late"
+GATE_LOGIT_STD_INIT = "init/gate_logit_std"  # std of the gate logits XW at step 0
+BRANCH_SCALE_INIT = "init/branch_scale"  # RMS of the attention output, gated / gate bypassed, at step 0
 M_ACT = "act/max_mean"  # mean over layers of the largest |activation| of the residual stream
 M_ACT_MAX = "act/max_max"
 M_ACT_LAYER = "act/max"  # per-layer family: act/max/layer_00 ...
@@ -185,7 +190,9 @@ class Kind:
 
 # --- table columns -----------------------------------------------------------------------------------
 
-ProbeColumn = Literal["gate_score", "m_act", "f_attn", "loss_spikes"]
+ProbeColumn = Literal[
+    "gate_score", "m_act", "f_attn", "f_attn_late", "loss_spikes", "logit_std_init", "branch_scale_init"
+]
 
 
 @dataclass(frozen=True)
@@ -197,6 +204,7 @@ class Column:
     digits: int
     note: str
     in_paper: bool  # the paper's Table 4 reports it
+    floor: str | None = None  # the metric of its uniform-attention floor, shown beside it
 
 
 #: Probe columns by id (a grid's ``columns:`` names them; the CSV always has all of them).
@@ -219,8 +227,36 @@ PROBE_COLUMNS: dict[str, Column] = {
         F_ATTN,
         "F-Attn",
         3,
-        "F-Attn: attention probability on the first token, mean over layers, heads and queries. ",
+        "F-Attn: attention probability on the first token, mean over layers, heads and queries; "
+        "floor: what uniform causal attention gives at the probe's length T (H_T / T), so F-Attn "
+        "near its floor means no sink. ",
         True,
+        F_ATTN_FLOOR,
+    ),
+    "f_attn_late": Column(
+        F_ATTN_LATE,
+        "F-Attn (q ≥ 16)",
+        3,
+        "F-Attn (q ≥ 16): the same without the first 16 query positions, which attend to token 0 "
+        "by necessity; comparable across lengths as a ratio to its floor. ",
+        False,
+        F_ATTN_LATE_FLOOR,
+    ),
+    "logit_std_init": Column(
+        GATE_LOGIT_STD_INIT,
+        "Gate logit std (init)",
+        3,
+        "Gate logit std (init): std of the gate logits XW on the probe batch at step 0 "
+        "(0.905 at the paper's width with its init). ",
+        False,
+    ),
+    "branch_scale_init": Column(
+        BRANCH_SCALE_INIT,
+        "Branch scale (init)",
+        3,
+        "Branch scale (init): RMS of the attention output with the gate over its RMS with the gate "
+        "bypassed, at step 0, mean over layers. ",
+        False,
     ),
     "loss_spikes": Column(
         LOSS_SPIKES,

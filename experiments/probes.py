@@ -42,6 +42,7 @@ SCORE_THRESHOLDS = (0.1, 0.5)
 SPARSITY_THRESHOLDS = (1e-2, 1e-3)
 QUANTILE_SAMPLES = 1_000_000
 HIST_BINS = 50  # gate-score histogram over [0, 1]; scores outside fall into the end bins
+LATE_QUERY = 16  # the late F-Attn leaves out queries 0..15, which attend to token 0 by necessity
 ATTENTION_BUDGET = 2**28  # attention probabilities per layer one probe forward may hold (1 GiB fp32)
 
 
@@ -59,6 +60,25 @@ def first_token_attention(probs: torch.Tensor) -> torch.Tensor:
         (H,) float64.
     """
     return probs[..., 0].double().mean(dim=(0, 2))
+
+
+def first_token_floor(seq_len: int, skip: int = 0) -> float:
+    """F-Attn of uniform causal attention: query ``t`` (0-based) spreads over ``t + 1`` keys, so it
+    puts ``1 / (t + 1)`` on key 0; the mean over queries ``skip .. seq_len - 1`` is
+    ``(H_T - H_skip) / (T - skip)`` with ``H_n`` the n-th harmonic number (0.042 at T = 128).
+
+    Raises:
+        ValueError: ``skip`` not in ``[0, seq_len)``.
+    """
+    if not 0 <= skip < seq_len:
+        raise ValueError(f"skip must be in [0, {seq_len}), got {skip}")
+    return math.fsum(1.0 / (t + 1) for t in range(skip, seq_len)) / (seq_len - skip)
+
+
+def late_query_start(seq_len: int) -> int:
+    """The first query position of the late F-Attn: :data:`LATE_QUERY`, or half of a shorter
+    sequence."""
+    return min(LATE_QUERY, seq_len // 2)
 
 
 def max_abs_activation(hidden: torch.Tensor) -> float:
@@ -84,7 +104,8 @@ def score_summary(scores: np.ndarray) -> dict[str, float]:
 
 def probe_batch(corpus: Corpus, seq_len: int, per_domain: int) -> tuple[torch.Tensor, dict]:
     """The fixed probe batch: the first ``per_domain`` windows of ``seq_len`` tokens of each
-    domain's test split, domains in sorted order.
+    domain's test split (of a synthetic task: the first ``seq_len`` tokens of its first
+    ``per_domain`` sequences), domains in sorted order.
 
     The record (split, windows per domain, sha256 of the tokens) is written beside the corpus
     manifest as ``probe-<seq_len>x<per_domain>.json`` and returned, so every run can show
@@ -97,12 +118,14 @@ def probe_batch(corpus: Corpus, seq_len: int, per_domain: int) -> tuple[torch.Te
         ValueError: a domain's test split is shorter than one window.
     """
     windows, record = [], {"split": "test", "seq_len": seq_len, "domains": {}}
+    stride = corpus.sequence_tokens or seq_len  # a synthetic task's windows start at its <bos>
     for domain in corpus.domains:
         tokens = corpus.tokens("test", domain)
-        n = min(per_domain, len(tokens) // seq_len)
+        n = min(per_domain, (len(tokens) - seq_len) // stride + 1 if len(tokens) >= seq_len else 0)
         if n == 0:
             raise ValueError(f"test split of '{domain}' has {len(tokens)} tokens, fewer than {seq_len}")
-        block = np.asarray(tokens[: n * seq_len], dtype=np.int64).reshape(n, seq_len)
+        starts = np.arange(n) * stride
+        block = np.asarray(tokens[starts[:, None] + np.arange(seq_len)], dtype=np.int64)
         windows.append(block)
         record["domains"][domain] = {"windows": n, "first_token": 0}
     batch = np.concatenate(windows)
@@ -124,6 +147,8 @@ class _LayerStats:
 
     f_attn_sum: torch.Tensor | None = None  # (H,) float64
     f_attn_n: int = 0
+    f_attn_late_sum: float = 0.0
+    f_attn_late_n: int = 0
     m_act: float = 0.0
     pre_abs_sum: float = 0.0
     post_abs_sum: float = 0.0
@@ -159,6 +184,7 @@ class ProbeResult:
     LAYER_METRICS = {
         "gate_score_mean": N.GATE_SCORE_MEAN,
         "f_attn": N.F_ATTN,
+        "f_attn_late": N.F_ATTN_LATE,
         "m_act": N.M_ACT_LAYER,
         "sdpa_abs_mean_pre": N.SDPA_ABS_PRE,
         "sdpa_abs_mean_post": N.SDPA_ABS_POST,
@@ -233,7 +259,7 @@ def run_probes(model: GatedLM, tokens: torch.Tensor, chunk: int | None = None, s
         for h in hooks:
             h.remove()
         model.train(was_training)
-    return _result(stats, gated)
+    return _result(stats, gated, tokens.shape[1])
 
 
 def _capture(store: dict[str, torch.Tensor], name: str):
@@ -268,6 +294,9 @@ def _accumulate(
     per_head = first_token_attention(probs) * probs.shape[0] * probs.shape[2]
     s.f_attn_sum = per_head if s.f_attn_sum is None else s.f_attn_sum + per_head
     s.f_attn_n += probs.shape[0] * probs.shape[2]
+    late = probs[:, :, late_query_start(probs.shape[2]) :, 0]
+    s.f_attn_late_sum += float(late.double().sum())
+    s.f_attn_late_n += late.numel()
     m_act = max_abs_activation(hidden)
     s.m_act = math.nan if math.isnan(m_act) or math.isnan(s.m_act) else max(s.m_act, m_act)
     post = captured["post"].float()
@@ -297,9 +326,10 @@ def _accumulate(
     s.scores.append(flat.cpu().numpy())
 
 
-def _result(stats: list[_LayerStats], gated: bool) -> ProbeResult:
+def _result(stats: list[_LayerStats], gated: bool, seq_len: int) -> ProbeResult:
     layers: dict[str, list[float]] = {
         "f_attn": [float(s.f_attn_sum.sum() / (s.f_attn_n * len(s.f_attn_sum))) for s in stats],
+        "f_attn_late": [s.f_attn_late_sum / s.f_attn_late_n for s in stats],
         "m_act": [s.m_act for s in stats],
         "sdpa_abs_mean_pre": [s.pre_abs_sum / s.values_n for s in stats],
         "sdpa_abs_mean_post": [s.post_abs_sum / s.values_n for s in stats],
@@ -326,6 +356,9 @@ def _result(stats: list[_LayerStats], gated: bool) -> ProbeResult:
 
     summary = {
         N.F_ATTN: mean("f_attn"),
+        N.F_ATTN_LATE: mean("f_attn_late"),
+        N.F_ATTN_FLOOR: first_token_floor(seq_len),
+        N.F_ATTN_LATE_FLOOR: first_token_floor(seq_len, late_query_start(seq_len)),
         N.M_ACT: mean("m_act"),
         N.M_ACT_MAX: float(np.max(layers["m_act"])),
         N.SDPA_ABS_PRE: mean("sdpa_abs_mean_pre"),

@@ -137,6 +137,20 @@ def from_dict(cls: type[T], data: dict[str, Any], path: str = "") -> T:
         raise err.under(path) from None
 
 
+def identity_dict(obj: Any) -> Any:
+    """:func:`to_dict` without the fields a dataclass lists in its ``KEYED_WHEN_SET`` class
+    attribute while they hold their default: options added after runs were keyed, so adding one
+    leaves every existing run key and corpus hash as it was."""
+    if dataclasses.is_dataclass(obj):
+        late = getattr(type(obj), "KEYED_WHEN_SET", ())
+        return {
+            f.name: identity_dict(getattr(obj, f.name))
+            for f in dataclasses.fields(obj)
+            if not (f.name in late and getattr(obj, f.name) == f.default)
+        }
+    return to_dict(obj)
+
+
 def to_dict(obj: Any) -> Any:
     """Plain, YAML/JSON-ready form of a config tree (tuples become lists)."""
     if dataclasses.is_dataclass(obj):

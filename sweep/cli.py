@@ -1,4 +1,4 @@
-"""The one entry point the Makefile calls: ``python -m sweep.cli {sweep,tables,params,tune} ...``.
+"""The one entry point the Makefile calls: ``python -m sweep.cli {sweep,tables,params,tune,stability} ...``.
 
 Exit status: 0 on success, 1 when a cell failed, 2 on bad input (grid, store, results folder,
 corpus) with a one-line message and nothing started.
@@ -34,17 +34,22 @@ def _parser() -> argparse.ArgumentParser:
         ("tables", "write results/<grid>.{md,csv,tex} from the tracking store"),
         ("params", "print total, active and added parameters per row (counted, no training)"),
         ("tune", "Optuna search of each row's max learning rate, then results/<grid>_lr_search.*"),
+        (
+            "stability",
+            "train each row at every rung of the grid's LR ladder, then results/<grid>_lr_ladder.*",
+        ),
         ("worker", "train cells from the sweep's queue until it is empty (started by sweep --workers)"),
         ("eval", "benchmark finished runs that lack scores (the grid's eval.tasks), then the tables"),
     ):
         s = sub.add_parser(name, help=text)
-        s.add_argument("--grid", default="grids/table1.yaml", help="grid YAML file")
+        grid = "grids/stability.yaml" if name == "stability" else "grids/table1.yaml"
+        s.add_argument("--grid", default=grid, help="grid YAML file")
         s.add_argument("--scale", default="tiny", help="scale profile of the grid")
         s.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default: the grid's)")
         s.add_argument("--rows", default=None, help="comma-separated row ids (default: all)")
         s.add_argument("--force", action="store_true", help="retrain cells that already finished")
         s.add_argument("--results", default="results", help="results folder (store, tables)")
-        if name in ("sweep", "worker", "tune"):
+        if name in ("sweep", "worker", "tune", "stability"):
             s.add_argument("--storage", default=None, help="Optuna RDB URL (default results/optuna.db)")
         if name in ("sweep", "worker"):
             s.add_argument("--heartbeat", type=int, default=HEARTBEAT_S, help=argparse.SUPPRESS)
@@ -58,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
             s.add_argument("--trials", type=int, default=8, help="trials per row (complete or pruned)")
             s.add_argument("--lr-range", default="1e-4,1e-2", help="log-uniform max LR range, lo,hi")
             s.add_argument("--ladder", default=None, help="fixed max LRs, a,b,c (grid sampler)")
+        if name == "stability":
+            s.add_argument("--ladder", default=None, help="max LRs a,b,c (default: the grid's lr_ladder)")
     return p
 
 
@@ -112,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{grid.title} - parameters at scale '{args.scale}' (counted from the configs)")
             print(params_table(grid, args.scale, rows).to_markdown(index=False, disable_numparse=True))
             return 0
-        if args.command in ("sweep", "worker", "tune"):
+        if args.command in ("sweep", "worker", "tune", "stability"):
             from sweep.run.runner import check_runnable
 
             check_runnable(grid, cells)
@@ -121,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.command == "tune":
             return _tune(args, grid, cells, results)
+        if args.command == "stability":
+            return _stability(args, grid, cells, results)
         if args.command == "tables":
             paths = write_tables(grid, args.scale, results, _command_line(), seeds)
             print(f"wrote {', '.join(map(str, paths.values()))}")
@@ -235,7 +244,6 @@ def _tune(args: argparse.Namespace, grid, cells, results: Path) -> int:
     import optuna
 
     from sweep.report.lr import write_lr_report
-    from sweep.run.tune import tune_row, unretried_failures
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     lr_range = _floats(args.lr_range, "lr-range")
@@ -244,23 +252,60 @@ def _tune(args: argparse.Namespace, grid, cells, results: Path) -> int:
     ladder = _floats(args.ladder, "ladder") if args.ladder else None
     if args.trials < 1:
         raise UsageError("--trials must be at least 1")
-    cache = _cache_root()
+    studies = _studies(args, grid, cells, results, args.trials, tuple(lr_range), ladder)
+    paths = write_lr_report(grid, args.scale, studies, results, _command_line(), ladder=bool(ladder))
+    print(f"wrote {', '.join(map(str, paths))}; browse the trials with: make ui (or make dashboard)")
+    return _failures(studies)
+
+
+def _studies(args: argparse.Namespace, grid, cells, results: Path, trials: int, lr_range, ladder) -> dict:
+    """Run (or continue) one LR study per chosen row (:func:`sweep.run.tune.tune_row`), by row id.
+
+    Raises:
+        UsageError: a ladder that does not match the one a study was run with.
+    """
+    from sweep.run.tune import tune_row
+
     rows = [c.row for c in cells if c.seed == cells[0].seed]
     try:
-        studies = {
+        return {
             row.id: tune_row(
-                grid, args.scale, row, args.trials, results, args.storage, tuple(lr_range), ladder, cache
+                grid, args.scale, row, trials, results, args.storage, lr_range, ladder, _cache_root()
             )
             for row in rows
         }
     except ValueError as err:  # a ladder that does not match the study's
         raise UsageError(str(err)) from None
-    paths = write_lr_report(grid, args.scale, studies, results, _command_line(), ladder=bool(ladder))
-    print(f"wrote {', '.join(map(str, paths))}; browse the trials with: make ui (or make dashboard)")
+
+
+def _failures(studies: dict) -> int:
+    """1 (with a line) when a trial failed and no retry replaced it, else 0."""
+    from sweep.run.tune import unretried_failures
+
     failed = sum(len(unretried_failures(s)) for s in studies.values())
     if failed:
         print(f"{failed} trial(s) failed (not diverged): see their status_note in MLflow")
     return 1 if failed else 0
+
+
+def _stability(args: argparse.Namespace, grid, cells, results: Path) -> int:
+    """The stability ladder (Table 2's claim; docs/lr-search.md): every row at every rung of the
+    grid's ``lr_ladder`` (or ``--ladder``), never pruned, then ``results/<grid>_lr_ladder.*``."""
+    import optuna
+
+    from sweep.report.stability import write_ladder_report
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    ladder = sorted(set(_floats(args.ladder, "ladder"))) if args.ladder else list(grid.lr_ladder)
+    if not ladder:
+        raise UsageError(f"{grid.file}: lr_ladder: the grid declares no ladder; add one or give --ladder")
+    started = time.perf_counter()
+    studies = _studies(args, grid, cells, results, len(ladder), (min(ladder), max(ladder)), ladder)
+    paths, body = write_ladder_report(grid, args.scale, studies, ladder, results, _command_line())
+    minutes = (time.perf_counter() - started) / 60
+    print(body, end="")
+    print(f"stability ladder finished in {minutes:.1f} min; wrote {', '.join(map(str, paths))}")
+    return _failures(studies)
 
 
 if __name__ == "__main__":

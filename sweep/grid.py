@@ -16,12 +16,10 @@ key path.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import re
 from dataclasses import dataclass, field
-from fractions import Fraction
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -29,10 +27,9 @@ from typing import Any
 from experiments.config import RunConfig, TrainConfig
 from experiments.corpus import recipe_hash
 from experiments.names import ProbeColumn
-from experiments.strict import ConfigError, from_dict, to_dict
-from sweep.gridfile import GridError, read_yaml
+from experiments.strict import ConfigError, from_dict, identity_dict, to_dict
+from sweep.gridfile import GridError, deep_merge, inherit, read_yaml
 
-_RELATIVE = re.compile(r"^x(\d+(?:\.\d+)?|\d+/[1-9]\d*)$")
 _ROW_ID = re.compile(r"^[a-z0-9_]+$")
 _ROW_PATH = re.compile(r"^rows\[(\d+)\](?:\.(.*))?$")
 
@@ -63,6 +60,9 @@ class Row:
     compare_to: str | None = None
     """The row this one's Δ PPL and added parameters are measured against (default: the grid's
     ``baseline_row``); Table 2 compares each 48-layer row with the 48-layer baseline, say."""
+    paper_table: str | None = None
+    """The paper table ``paper_row`` refers to, when not the grid's: a control row of Table 1
+    whose paper figures are in Table 4, say."""
     model: dict[str, Any] = field(default_factory=dict)
     train: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)
@@ -138,6 +138,14 @@ class GridSpec:
     """Probe columns the Markdown / LaTeX table shows beside PPL (``experiments.names.PROBE_COLUMNS``)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Benchmarks run on every finished run (``sweep.eval``)."""
+    share_of: str | None = None
+    """A row whose Δ Avg PPL the others' are divided by (the "share of G1's gain" column)."""
+    curve_rows: tuple[str, ...] = ()
+    """Rows whose ranking must hold over the last third of training (``sweep.report.curves``);
+    default every row."""
+    lr_ladder: tuple[float, ...] = ()
+    """The max LRs of the grid's stability ladder (``make stability``), increasing; each at least
+    every cell's ``train.min_lr``. Empty: the grid has none."""
     inherit: str | None = None
 
     def __post_init__(self) -> None:
@@ -159,6 +167,9 @@ class GridSpec:
             raise ConfigError(
                 "seeds", f"must be a positive count or a list of distinct integers >= 0, got {seeds!r}"
             )
+        ladder = list(self.lr_ladder)
+        if any(lr <= 0 for lr in ladder) or ladder != sorted(set(ladder)):
+            raise ConfigError("lr_ladder", f"must be distinct positive LRs in increasing order, got {ladder}")
 
 
 @dataclass(frozen=True)
@@ -190,6 +201,12 @@ class Grid:
     columns: tuple[str, ...]
     """Probe columns the Markdown / LaTeX table shows (``GridSpec.columns``)."""
     eval: EvalConfig
+    share_of: str | None = None
+    """The row of the "share of its gain" column (``GridSpec.share_of``), or None."""
+    curve_rows: tuple[str, ...] = ()
+    """Rows whose ranking the curves report checks (``GridSpec.curve_rows``); empty: all."""
+    lr_ladder: tuple[float, ...] = ()
+    """The stability ladder's max LRs (``GridSpec.lr_ladder``)."""
 
     def row_ids(self) -> list[str]:
         return [r.id for r in self.rows]
@@ -201,13 +218,13 @@ class Grid:
             GridError: naming ``scales.<scale>.<key>`` when base + scale are invalid by
                 themselves, else the row and the key path, with the scale.
         """
-        merged = _deep_merge(self.base, self.scales[scale], "", row=None, file=self.file)
+        merged = deep_merge(self.base, self.scales[scale], "", row=None, file=self.file)
         if row is None:
             try:
                 return from_dict(RunConfig, {**merged, "seed": seed})
             except ConfigError as err:
                 raise GridError(self.file, err.message, path=f"scales.{scale}.{err.path}") from None
-        merged = _deep_merge(merged, row.overrides, "", row=row.id, file=self.file)
+        merged = deep_merge(merged, row.overrides, "", row=row.id, file=self.file)
         try:
             return from_dict(RunConfig, {**merged, "seed": seed})
         except ConfigError as err:
@@ -260,16 +277,23 @@ class Grid:
 
 def run_key(cfg: RunConfig) -> str:
     """16 hex chars of sha256 over the canonical JSON of the resolved config (seed included, the
-    placement fields ``TrainConfig.PLACEMENT`` left out) and the corpus recipe hash (which also
+    placement fields ``TrainConfig.PLACEMENT`` and later options at their defaults left out:
+    ``experiments.strict.identity_dict``) and the corpus recipe hash (which also
     covers source pins and the stdlib's Python version).
 
     Two grids that resolve a cell to the same config share its run: it is trained once."""
-    config = to_dict(cfg)
+    config = identity_dict(cfg)
     for name in TrainConfig.PLACEMENT:
         del config["train"][name]
     payload = {"config": config, "corpus": recipe_hash(cfg.data)}
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def table_number(row: Row, position: int) -> int:
+    """The "#" a table prints for ``row`` at 1-based ``position``: its ``paper_row``, unless that
+    refers to another paper table (a control row) or is missing."""
+    return row.paper_row if row.paper_row is not None and row.paper_table is None else position
 
 
 def paper_csv(name: str) -> Path:
@@ -288,7 +312,7 @@ def load_grid(file: str | Path) -> Grid:
     if not isinstance(raw, dict):
         raise GridError(file, f"must be a mapping, got {type(raw).__name__}", path="(top level)")
     if "inherit" in raw:
-        raw = _inherit(file, raw)
+        raw = inherit(file, raw)
     try:
         spec = from_dict(GridSpec, raw)
     except ConfigError as err:
@@ -297,11 +321,24 @@ def load_grid(file: str | Path) -> Grid:
     for i, rid in enumerate(ids):
         if rid in ids[:i]:
             raise GridError(file, "duplicate row id", rid, "id")
-    if spec.paper_table is not None and not paper_csv(spec.paper_table).is_file():
-        known = sorted(p.name.removesuffix(".csv") for p in paper_csv("").parent.iterdir())
+    known = sorted(p.name.removesuffix(".csv") for p in paper_csv("").parent.iterdir())
+    if spec.paper_table is not None and spec.paper_table not in known:
         raise GridError(
             file, f"unknown paper table {spec.paper_table!r}; known: {', '.join(known)}", path="paper_table"
         )
+    for row in spec.rows:
+        if row.paper_table is not None and row.paper_table not in known:
+            raise GridError(
+                file,
+                f"unknown paper table {row.paper_table!r}; known: {', '.join(known)}",
+                row.id,
+                "paper_table",
+            )
+    if spec.share_of is not None and spec.share_of not in ids:
+        raise GridError(file, f"names no row of the grid: '{spec.share_of}'", path="share_of")
+    for rid in spec.curve_rows:
+        if rid not in ids:
+            raise GridError(file, f"names no row of the grid: '{rid}'", path="curve_rows")
     for scale in spec.eval.scales or ():
         if scale not in spec.scales:
             raise GridError(file, f"names no scale of the grid: '{scale}'", path="eval.scales")
@@ -322,9 +359,20 @@ def load_grid(file: str | Path) -> Grid:
         paper_table=spec.paper_table,
         columns=spec.columns,
         eval=spec.eval,
+        share_of=spec.share_of,
+        curve_rows=spec.curve_rows,
+        lr_ladder=spec.lr_ladder,
     )
     for scale in grid.scales:
-        grid.cells(scale)
+        for cell in grid.cells(scale):
+            if grid.lr_ladder and grid.lr_ladder[0] < cell.config.train.min_lr:
+                low, min_lr = grid.lr_ladder[0], cell.config.train.min_lr
+                raise GridError(
+                    file,
+                    f"rung {low:g} is below train.min_lr {min_lr:g} (at scale '{scale}')",
+                    cell.row.id,
+                    "lr_ladder",
+                )
     return grid
 
 
@@ -338,56 +386,3 @@ def _grid_error(file: Path, raw: dict, err: ConfigError) -> GridError:
     return GridError(
         file, err.message, rid if isinstance(rid, str) else f"rows[{match.group(1)}]", match.group(2)
     )
-
-
-def _deep_merge(base: dict, over: dict, path: str, row: str | None, file: Path) -> dict:
-    """``base`` updated by ``over`` recursively; ``xN`` strings scale the base's number."""
-    out = copy.deepcopy(base)
-    for key, value in over.items():
-        key_path = f"{path}.{key}" if path else key
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value, key_path, row, file)
-        elif isinstance(value, str) and _RELATIVE.match(value):
-            out[key] = _scaled(out.get(key), Fraction(_RELATIVE.match(value).group(1)), key_path, row, file)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
-def _scaled(current: Any, factor: Fraction, path: str, row: str | None, file: Path) -> int | float:
-    """``current * factor``, exact for integers (``x12/7`` of 28 layers is 48, not 47.99...)."""
-    if isinstance(current, bool) or not isinstance(current, (int, float)):
-        raise GridError(
-            file, f"'x{factor}' needs a number set by base or scale, found {current!r}", row, path
-        )
-    if isinstance(current, int):
-        value = current * factor
-        if value.denominator != 1:
-            raise GridError(
-                file, f"impossible shape: {current} x {factor} = {float(value):g} is not whole", row, path
-            )
-        return int(value)
-    return current * float(factor)
-
-
-def _inherit(file: Path, raw: dict) -> dict:
-    """``raw`` with the inherited grid's ``base`` and ``scales`` beneath its own (deep-merged)."""
-    ref = raw["inherit"]
-    if not isinstance(ref, str):
-        raise GridError(file, "must be a path to another grid file", path="inherit")
-    parent_file = file.parent / ref
-    if not parent_file.is_file():
-        raise GridError(file, f"inherited grid {parent_file} does not exist", path="inherit")
-    parent = read_yaml(parent_file)
-    if not isinstance(parent, dict):
-        raise GridError(parent_file, "must be a mapping", path="(top level)")
-    if "inherit" in parent:
-        raise GridError(file, f"{parent_file} inherits in turn; one level only", path="inherit")
-    merged = dict(raw)
-    for key in ("base", "scales"):
-        mine, theirs = raw.get(key) or {}, parent.get(key) or {}
-        for where, value in ((file, mine), (parent_file, theirs)):
-            if not isinstance(value, dict):
-                raise GridError(where, f"must be a mapping, got {type(value).__name__}", path=key)
-        merged[key] = _deep_merge(theirs, mine, key, None, file)
-    return merged

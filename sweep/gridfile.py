@@ -1,14 +1,18 @@
-"""Reading a grid file: strict YAML (duplicate keys rejected, ``2e-3`` a float) and the one error
-type every grid problem raises, :class:`GridError`, whose message names the file, the row and the
-key path on one line."""
+"""Reading a grid file: strict YAML (duplicate keys rejected, ``2e-3`` a float), the file's own
+syntax (``inherit:``, relative values ``x2`` / ``x12/7``) and the one error type every grid problem
+raises, :class:`GridError`, whose message names the file, the row and the key path on one line."""
 
 from __future__ import annotations
 
+import copy
 import re
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+_RELATIVE = re.compile(r"^x(\d+(?:\.\d+)?|\d+/[1-9]\d*)$")
 
 
 class GridError(ValueError):
@@ -94,3 +98,67 @@ def read_yaml(file: Path) -> Any:
         raise GridError(file, f"malformed YAML: {line}{problem}") from None
     finally:
         loader.dispose()
+
+
+def deep_merge(base: dict, over: dict, path: str, row: str | None, file: Path) -> dict:
+    """``base`` updated by ``over`` recursively; ``xN`` strings scale the base's number.
+
+    ``path`` (the key path of ``over``), ``row`` and ``file`` only name the place in errors.
+
+    Raises:
+        GridError: ``xN`` on a value that is not a number, or a whole number made fractional.
+    """
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        key_path = f"{path}.{key}" if path else key
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value, key_path, row, file)
+        elif isinstance(value, str) and _RELATIVE.match(value):
+            out[key] = _scaled(out.get(key), Fraction(_RELATIVE.match(value).group(1)), key_path, row, file)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _scaled(current: Any, factor: Fraction, path: str, row: str | None, file: Path) -> int | float:
+    """``current * factor``, exact for integers (``x12/7`` of 28 layers is 48, not 47.99...)."""
+    if isinstance(current, bool) or not isinstance(current, (int, float)):
+        raise GridError(
+            file, f"'x{factor}' needs a number set by base or scale, found {current!r}", row, path
+        )
+    if isinstance(current, int):
+        value = current * factor
+        if value.denominator != 1:
+            raise GridError(
+                file, f"impossible shape: {current} x {factor} = {float(value):g} is not whole", row, path
+            )
+        return int(value)
+    return current * float(factor)
+
+
+def inherit(file: Path, raw: dict) -> dict:
+    """``raw`` (the parsed ``file``) with the inherited grid's ``base`` and ``scales`` beneath its own
+    (deep-merged); one level only.
+
+    Raises:
+        GridError: ``inherit`` is not a path to a readable grid file, or that grid inherits too.
+    """
+    ref = raw["inherit"]
+    if not isinstance(ref, str):
+        raise GridError(file, "must be a path to another grid file", path="inherit")
+    parent_file = file.parent / ref
+    if not parent_file.is_file():
+        raise GridError(file, f"inherited grid {parent_file} does not exist", path="inherit")
+    parent = read_yaml(parent_file)
+    if not isinstance(parent, dict):
+        raise GridError(parent_file, "must be a mapping", path="(top level)")
+    if "inherit" in parent:
+        raise GridError(file, f"{parent_file} inherits in turn; one level only", path="inherit")
+    merged = dict(raw)
+    for key in ("base", "scales"):
+        mine, theirs = raw.get(key) or {}, parent.get(key) or {}
+        for where, value in ((file, mine), (parent_file, theirs)):
+            if not isinstance(value, dict):
+                raise GridError(where, f"must be a mapping, got {type(value).__name__}", path=key)
+        merged[key] = deep_merge(theirs, mine, key, None, file)
+    return merged

@@ -20,6 +20,8 @@ from experiments.names import TrialOutcome
 
 HEARTBEAT_S = 30
 DIVERGED_ATTR = "diverged"  # the user attribute (its reason) of an LR-search trial pruned for diverging
+VAL_LOSS_ATTR = "val_loss"  # the user attribute of a complete LR-search trial: final val/loss, nats
+ROW_KEY_ATTR = "row_run_key"  # the study's user attribute: run_key of the row's config at the grid's LR
 
 
 def storage_url(results_dir: Path, url: str | None) -> str:
@@ -64,7 +66,8 @@ def trial_outcome(t: FrozenTrial) -> str | None:
 
 
 def trial_table(study: optuna.Study) -> list[dict]:
-    """One record per ended trial: number, LR, state (:func:`trial_outcome`), Avg PPL."""
+    """One record per ended trial: number, LR, state (:func:`trial_outcome`), Avg PPL and final
+    validation loss (nats; NaN unless complete, and for trials recorded before it was kept)."""
     records = []
     for t in study.get_trials(deepcopy=False):
         state = trial_outcome(t)
@@ -72,6 +75,14 @@ def trial_table(study: optuna.Study) -> list[dict]:
             continue
         value = t.value if t.state == TrialState.COMPLETE else math.nan
         records.append(
-            {"trial": t.number, "max_lr": t.params.get("max_lr", math.nan), "state": state, "avg_ppl": value}
+            {
+                "trial": t.number,
+                "max_lr": t.params.get("max_lr", math.nan),
+                "state": state,
+                "avg_ppl": value,
+                "val_loss": t.user_attrs.get(VAL_LOSS_ATTR, math.nan)
+                if state == TrialOutcome.COMPLETE
+                else math.nan,
+            }
         )
     return records

@@ -41,10 +41,22 @@ def test_shipped_grids_validate_at_every_scale(path: Path) -> None:
         assert grid.cells(scale)
 
 
-def test_table1_has_the_papers_fifteen_rows_in_order() -> None:
+def test_table1_has_the_papers_fifteen_rows_in_order_and_the_constant_gate_control() -> None:
     grid = load_grid(ROOT / "grids/table1.yaml")
-    assert [r.paper_row for r in grid.rows] == list(range(1, 16))
+    assert [r.paper_row for r in grid.rows if r.paper_table is None] == list(range(1, 16))
+    control = grid.rows[-1]
+    assert (control.paper_table, control.paper_row) == ("table4_sparsity", 6)
+    gate = grid.resolve("tiny", control, 0).model.gate
+    assert gate.position == "sdpa" and not gate.input_dependent
+    assert grid.share_of == "sdpa_elementwise"
     assert all(c.config.model.moe is not None for c in grid.cells("tiny"))  # every row on the MoE base
+
+
+def test_table1_init_is_width_aware_below_the_papers_width_only() -> None:
+    """Linear weights at 0.02 sqrt(2048 / d): 0.08 at tiny (d 128), 0.04 at small (d 512), 0.02 at paper."""
+    grid = load_grid(ROOT / "grids/table1.yaml")
+    stds = {s: grid.baseline_config(s).model.linear_init_std() for s in ("tiny", "small", "paper")}
+    assert stds == pytest.approx({"tiny": 0.08, "small": 0.04, "paper": 0.02})
 
 
 def test_table1_paper_scale_is_table7s_15a2b() -> None:
@@ -160,7 +172,7 @@ def test_table1_added_params_at_paper_scale_match_the_paper() -> None:
     }
     base = grid.baseline_config("paper").model.param_counts()[0]
     for cell in grid.cells("paper"):
-        if cell.row.paper_row in paper:
+        if cell.row.paper_row in paper and cell.row.paper_table is None:  # not the Table 4 control
             added = (cell.config.model.param_counts()[0] - base) / 1e6
             expected = paper[cell.row.paper_row]
             assert abs(added - expected) <= (0.05 if expected < 2 else 0.7), (cell.row.id, added, expected)
@@ -228,7 +240,8 @@ BAD = {
     "missing_inherited_grid": (GOOD + "inherit: nowhere.yaml\n", "inherit: inherited grid", None),
     "bad_table_column": (
         GOOD + "columns: [ppl]\n",
-        "columns[0]: bad value 'ppl'; allowed: gate_score, m_act, f_attn, loss_spikes",
+        "columns[0]: bad value 'ppl'; allowed: gate_score, m_act, f_attn, f_attn_late, loss_spikes, "
+        "logit_std_init, branch_scale_init",
         None,
     ),
     "complex_key": (
@@ -239,6 +252,16 @@ BAD = {
     "unknown_row_key": (GOOD + "  - {id: x, requires: [moe]}\n", "row 'x': requires: unknown key", None),
     "bad_row_id": (GOOD + "  - {id: X-1}\n", "rows[2].id: needs an 'id' of [a-z0-9_]", None),
     "bad_eval": (GOOD + "eval: {tasks: [a], num_fewshot: {b: 1}}\n", "eval.num_fewshot.b: must map", None),
+    "unordered_lr_ladder": (
+        GOOD + "lr_ladder: [1e-2, 1e-3]\n",
+        "lr_ladder: must be distinct positive LRs in increasing order, got [0.01, 0.001]",
+        None,
+    ),
+    "lr_ladder_below_min_lr": (
+        GOOD + "lr_ladder: [1e-5, 1e-2]\n",
+        "row 'baseline': lr_ladder: rung 1e-05 is below train.min_lr 3e-05 (at scale 'tiny')",
+        None,
+    ),
 }
 
 

@@ -160,7 +160,7 @@ def test_baseline_has_no_gate_metrics_and_probing_leaves_the_model_unchanged() -
 def test_probe_metric_keys_are_bounded() -> None:
     result = run_probes(build(GateConfig(position="sdpa")), tokens(1))
     per_layer = [k for k in result.metrics() if "/layer_" in k]
-    assert len(per_layer) == 5 * SHAPE.n_layers
+    assert len(per_layer) == 6 * SHAPE.n_layers  # gate score, F-Attn, late F-Attn, M-Act, |Y| pre, post
     assert len(result.metrics()) < 40
 
 

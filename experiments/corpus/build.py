@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+import experiments.corpus.backcopy as backcopy
 import experiments.corpus.sources as sources
-from experiments.config import DataConfig, to_dict
+from experiments.config import DataConfig, identity_dict, to_dict
 from experiments.corpus.reader import (
     CORPUS_FORMAT_VERSION,
     EOS,
@@ -42,12 +43,12 @@ _ENCODE_BATCH_CHARS = 2_000_000  # bounds the memory held by Encoding objects du
 def recipe_hash(cfg: DataConfig) -> str:
     """12 hex chars identifying the corpus a recipe builds.
 
-    Hashes the canonical JSON of ``to_dict(cfg)``, the package pins of its sources,
+    Hashes the canonical JSON of ``identity_dict(cfg)``, the package pins of its sources,
     :data:`CORPUS_FORMAT_VERSION` and the interpreter's ``major.minor`` (the stdlib source's
     content depends on it).
     """
     payload = {
-        "recipe": to_dict(cfg),
+        "recipe": identity_dict(cfg),
         "pins": [sources.SOURCES[name].pin for name in cfg.sources if name in sources.SOURCES],
         "format": CORPUS_FORMAT_VERSION,
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
@@ -104,7 +105,10 @@ def build_corpus(
         tmp = Path(tempfile.mkdtemp(prefix=f".corpus-{digest}.tmp-", dir=cache_root))
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the published corpus is shared read-only data
         try:
-            _build(cfg, digest, tmp, cache_root / "downloads", log)
+            if cfg.synthetic is not None:
+                backcopy.write_corpus(cfg, digest, tmp, log)
+            else:
+                _build(cfg, digest, tmp, cache_root / "downloads", log)
             _publish(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

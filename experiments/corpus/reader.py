@@ -46,6 +46,8 @@ class Corpus:
         self.domains: list[str] = list(manifest["domains"])
         self.eos_id: int = int(manifest["tokenizer"]["eos_id"])
         self.vocab_size: int = int(manifest["tokenizer"]["vocab_size"])
+        #: tokens per sequence of a synthetic task (every window starts at one), or None for text
+        self.sequence_tokens: int | None = manifest.get("sequence_tokens")
         self._dtype = np.dtype(manifest["dtype"])
         self._arrays: dict[tuple[str, str | None], np.memmap] = {}
         self._tokenizer: Tokenizer | None = None
@@ -94,7 +96,13 @@ class Corpus:
         return self._arrays[key]
 
     def tokenizer(self) -> Tokenizer:
-        """The corpus's byte-level BPE tokenizer (loaded once, then shared)."""
+        """The corpus's byte-level BPE tokenizer (loaded once, then shared).
+
+        Raises:
+            CorpusError: a synthetic corpus, which has none.
+        """
+        if self.manifest["tokenizer"]["file"] is None:
+            raise CorpusError(f"corpus {self.root}: a synthetic task has no tokenizer")
         if self._tokenizer is None:
             self._tokenizer = Tokenizer.from_file(str(self.root / self.manifest["tokenizer"]["file"]))
         return self._tokenizer

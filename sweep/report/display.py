@@ -36,6 +36,10 @@ def _fmt_delta(d: float, lo: float, hi: float) -> str:
     return f"{d:+.3f}" + (f" [{lo:+.3f}, {hi:+.3f}]" if not math.isnan(lo) else "")
 
 
+def _fmt_share(value: float) -> str:
+    return "—" if value is None or math.isnan(value) else f"{value:.0%}"
+
+
 def display_table(
     table: pd.DataFrame, columns: tuple[str, ...] = (), bench: list[BenchColumn] | None = None
 ) -> pd.DataFrame:
@@ -60,20 +64,37 @@ def display_table(
     out["Δ Avg PPL"] = [
         _fmt_delta(*v) for v in zip(table["delta_avg_ppl"], table["delta_ci95_low"], table["delta_ci95_high"])
     ]
+    if "share_of_gain" in table.columns:
+        shared = table.loc[table["share_of_gain"] == 1.0, "row"]
+        heading = f"Share of #{shared.iloc[0]}'s gain" if len(shared) else "Share of gain"
+        out[heading] = [_fmt_share(v) for v in table["share_of_gain"]]
     out["Seeds"] = table["n_seeds"]
+    if "vs_reference_last_half" in table.columns and table["vs_reference_last_half"].astype(bool).any():
+        out["vs ref., last half"] = [v or "—" for v in table["vs_reference_last_half"]]
     for column in columns:
         spec = PROBE_COLUMNS[column]
         out[spec.heading] = [fmt(v, s, spec.digits) for v, s in zip(table[column], table[f"{column}_std"])]
+        if spec.floor is not None:
+            out[f"{spec.heading} floor"] = [fmt(v, digits=spec.digits) for v in table[f"{column}_floor"]]
+        if column == "f_attn" and table["delta_f_attn_low"].notna().any():  # three seeds or more
+            out["Δ F-Attn"] = [
+                _fmt_delta(*v)
+                for v in zip(table["delta_f_attn"], table["delta_f_attn_low"], table["delta_f_attn_high"])
+            ]
     for b in bench or []:
         key = f"bench_{b.task}"
         out[b.heading] = [fmt(v, s, 3) for v, s in zip(table[key], table[f"{key}_std"])]
     if table["paper_added_params_m"].notna().any():  # Tables 3 and 4 list no parameters
         out["Paper Added (M)"] = [fmt_params(v) for v in table["paper_added_params_m"]]
     notes = table["paper_note"]
-    out["Paper Avg PPL"] = [
-        "diverged" if note == "diverged" else fmt(v) for v, note in zip(table["paper_avg_ppl"], notes)
-    ]
-    out["Paper Δ"] = [_fmt_delta(v, math.nan, math.nan) for v in table["paper_delta"]]
+    # a grid without a paper table (the sink task) gets no paper columns
+    if table["paper_avg_ppl"].notna().any() or notes.astype(bool).any():
+        out["Paper Avg PPL"] = [
+            "diverged" if note == "diverged" else fmt(v) for v, note in zip(table["paper_avg_ppl"], notes)
+        ]
+        out["Paper Δ"] = [_fmt_delta(v, math.nan, math.nan) for v in table["paper_delta"]]
+    if "paper_share_of_gain" in table.columns:
+        out["Paper share"] = [_fmt_share(v) for v in table["paper_share_of_gain"]]
     for column in columns:
         spec = PROBE_COLUMNS[column]
         if spec.in_paper and table[f"paper_{column}"].notna().any():
@@ -84,7 +105,8 @@ def display_table(
         out.insert(2, "vs #", [number[r] for r in references])
     is_base = table["id"] == references
     out.loc[is_base, "Δ Avg PPL"] = "reference"
-    out.loc[is_base & table["paper_delta"].notna(), "Paper Δ"] = "reference"
+    if "Paper Δ" in out.columns:
+        out.loc[is_base & table["paper_delta"].notna(), "Paper Δ"] = "reference"
     out["Note"] = [s if s != RowStatus.OK else "" for s in table["status"]]
     if notes.astype(bool).any():
         out["Paper note"] = list(notes)
@@ -104,6 +126,27 @@ def _bench_note(grid: Grid, scale: str, table: pd.DataFrame) -> str:
     )
 
 
+def _share_note(grid: Grid, table: pd.DataFrame) -> str:
+    if grid.share_of is None:
+        return ""
+    label = next(r.label for r in grid.rows if r.id == grid.share_of)
+    return (
+        f"Share of gain: a row's Δ Avg PPL over the Δ of {label}; the input-independent control's "
+        "share is what rescaling the attention branch earns without gating by the input. "
+    )
+
+
+def _curves_note(table: pd.DataFrame) -> str:
+    sides = table.get("vs_reference_last_half")
+    if sides is None or not sides.astype(bool).any():
+        return ""
+    return (
+        "vs ref., last half: whether the row's mean validation Avg PPL stayed below (better) or "
+        "above (worse) its reference's at every validation of the last half of training, or where "
+        "it crossed (the curves: `<table>_curves.md`). "
+    )
+
+
 def markdown(grid: Grid, scale: str, table: pd.DataFrame, shown: pd.DataFrame, command: str) -> str:
     """The Markdown file: heading, the table, and notes that say what each column means."""
     header = (
@@ -115,12 +158,20 @@ def markdown(grid: Grid, scale: str, table: pd.DataFrame, shown: pd.DataFrame, c
         "\n\nPPL: perplexity on held-out validation documents per domain; Avg PPL is their mean. "
         "Δ: Avg PPL minus the baseline's, paired by seed (negative is better); from three seeds on, "
         "a 95% t-interval follows in brackets. Mean ± sample std over seeds. "
+        + _share_note(grid, table)
+        + _curves_note(table)
         + "".join(PROBE_COLUMNS[c].note for c in grid.columns)
+        + (
+            "Δ F-Attn: F-Attn minus the reference's, paired by seed, with its 95% t-interval. "
+            if "f_attn" in grid.columns and table["delta_f_attn_low"].notna().any()
+            else ""
+        )
         + _bench_note(grid, scale, table)
         + 'A row whose every run diverged reads "diverged". '
         + (
-            f"Paper columns: the paper's own numbers (`sweep/paper/{grid.paper_table}.csv`), "
-            "for direction, not magnitude. "
+            f"Paper columns: the paper's own numbers (`sweep/paper/{grid.paper_table}.csv`"
+            + "".join(f"; row {r.label!r}: `{r.paper_table}.csv`" for r in grid.rows if r.paper_table)
+            + "), for direction, not magnitude. "
             if grid.paper_table
             else ""
         )

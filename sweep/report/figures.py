@@ -19,6 +19,8 @@ from matplotlib.figure import Figure
 from experiments import names as N
 from experiments.config import GateConfig
 from experiments.names import Status
+from sweep.grid import Grid
+from sweep.report.curves import curves_figure, mean_curves, metric_curves
 from sweep.report.runs import gate_signature
 
 BASELINE = gate_signature(None)
@@ -86,6 +88,9 @@ def first_token_figure(runs: pd.DataFrame) -> Figure | None:
             lw=2.5 if base else 1.2,
             label=f"{label} (mean {np.mean(values):.3f})",
         )
+    if N.F_ATTN_FLOOR in runs.columns and runs[N.F_ATTN_FLOOR].notna().any():
+        floor = float(runs[N.F_ATTN_FLOOR].mean())
+        ax.axhline(floor, color="gray", ls="--", lw=1, label=f"uniform-attention floor {floor:.3f}")
     ax.set(xlabel="layer", ylabel="attention on the first token", title="First-token attention per layer")
     ax.set_xticks(np.arange(len(layer_cols)))
     ax.set_ylim(bottom=0)
@@ -141,6 +146,32 @@ def write_figures(runs: pd.DataFrame, client, folder: Path, stem: str) -> dict[s
         "first_token_attention": first_token_figure(runs),
         "gate_scores": gate_score_figure(runs, client),
     }
+    return _save(drawn, folder, stem)
+
+
+def write_curve_figures(
+    grid: Grid, runs: pd.DataFrame, mean: pd.DataFrame, client, folder: Path, stem: str
+) -> dict[str, Path]:
+    """The learning curves (validation Avg PPL, ``mean``: :func:`sweep.report.curves.mean_curves`)
+    and, where the runs were probed during training (``train.probe_every``), F-Attn and M-Act
+    over training (mean over seeds; F-Attn beside its floor)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    drawn = {"curves": curves_figure(mean, grid)}
+    if len(runs):
+        for name, key, label in (
+            ("first_token_attention_over_training", N.F_ATTN, "F-Attn (mean over layers)"),
+            ("massive_activation_over_training", N.M_ACT, "M-Act (mean over layers)"),
+        ):
+            probed = mean_curves(metric_curves(runs, client, key), grid)
+            fig = curves_figure(probed, grid, ylabel=label)
+            if fig is not None and key == N.F_ATTN and N.F_ATTN_FLOOR in runs.columns:
+                fig.axes[0].axhline(float(runs[N.F_ATTN_FLOOR].mean()), color="gray", ls="--", lw=1)
+            drawn[name] = fig
+    return _save(drawn, folder, stem)
+
+
+def _save(drawn: dict[str, Figure | None], folder: Path, stem: str) -> dict[str, Path]:
+    """Each figure to ``folder/<stem>_<name>.png``, replaced atomically; the written paths by name."""
     paths = {}
     for name, fig in drawn.items():
         if fig is None:

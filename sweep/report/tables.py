@@ -19,7 +19,7 @@ from scipy import stats
 
 from experiments import names as N
 from experiments.names import PROBE_COLUMNS, RowStatus, Status
-from sweep.grid import Grid, Row, paper_csv
+from sweep.grid import Grid, Row, paper_csv, table_number
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ def row_parameters(
             continue
         total, active = grid.resolve(scale, row, 0).model.param_counts()
         reference = grid.reference_config(scale, row).model.param_counts()[0]
-        yield row.paper_row or position, row, total, active, total - reference
+        yield table_number(row, position), row, total, active, total - reference
 
 
 def _mean_std(values: pd.Series) -> tuple[float, float]:
@@ -133,7 +133,7 @@ def build_table(grid: Grid, scale: str, runs: pd.DataFrame) -> pd.DataFrame:
     ``runs`` is ``sweep.report.runs.finished_runs``' frame (one line per run: ``row``, ``seed``,
     ``status`` and the metrics); diverged runs count in ``n_diverged`` only.
     """
-    paper = paper_table(grid.paper_table)
+    grid_paper = paper_table(grid.paper_table)
     if "status" not in runs.columns:
         runs = runs.assign(status=Status.FINISHED)
     diverged = runs[runs["status"] == Status.DIVERGED].groupby("row").size().to_dict()
@@ -143,6 +143,7 @@ def build_table(grid: Grid, scale: str, runs: pd.DataFrame) -> pd.DataFrame:
     bench = bench_columns(grid, runs)
     lines = []
     for number, row, total, active, added in row_parameters(grid, scale):
+        paper = paper_table(row.paper_table) if row.paper_table else grid_paper
         reference = grid.reference(row)
         base_runs, mine = by_row.get(reference.id), by_row.get(row.id)
         line: dict[str, object] = {"row": number, "id": row.id, "label": row.label}
@@ -161,8 +162,14 @@ def build_table(grid: Grid, scale: str, runs: pd.DataFrame) -> pd.DataFrame:
         else:
             d = lo = hi = math.nan
         line["delta_avg_ppl"], line["delta_ci95_low"], line["delta_ci95_high"] = d, lo, hi
+        f_lo = f_hi = f_d = math.nan  # the sink's change against the reference, paired by seed
+        if row.id != reference.id and mine is not None and base_runs is not None and N.F_ATTN in mine:
+            f_d, f_lo, f_hi, _ = paired_delta(mine[N.F_ATTN], base_runs[N.F_ATTN])
+        line["delta_f_attn"], line["delta_f_attn_low"], line["delta_f_attn_high"] = f_d, f_lo, f_hi
         for column, spec in PROBE_COLUMNS.items():
             line[column], line[f"{column}_std"] = _stat(mine, spec.metric)
+            if spec.floor is not None:
+                line[f"{column}_floor"] = _stat(mine, spec.floor)[0]
         for b in bench:
             key = f"bench_{b.task}"
             line[key], line[f"{key}_std"] = _stat(mine, b.metric)
@@ -170,11 +177,20 @@ def build_table(grid: Grid, scale: str, runs: pd.DataFrame) -> pd.DataFrame:
             line[f"{key}_n"] = int(mine[b.metric].notna().sum()) if scored else 0
         line["paper_added_params_m"] = paper_value(paper, row, "added_params_m")
         line["paper_avg_ppl"] = paper_value(paper, row, "avg_ppl")
-        line["paper_delta"] = line["paper_avg_ppl"] - paper_value(paper, reference, "avg_ppl")
+        line["paper_delta"] = line["paper_avg_ppl"] - paper_value(grid_paper, reference, "avg_ppl")
         line["paper_note"] = _paper_note(paper, row)
         for column, spec in PROBE_COLUMNS.items():
             if spec.in_paper:
                 line[f"paper_{column}"] = paper_value(paper, row, column)
         line["status"] = _status(mine is not None, line["n_diverged"])
         lines.append(line)
-    return pd.DataFrame(lines)
+    table = pd.DataFrame(lines)
+    if grid.share_of is not None:
+        share = table.set_index("id").loc[grid.share_of]
+        # only rows measured against the share row's own reference, and never over a zero gain
+        off = (table["id"] == table["compare_to"]) | (table["compare_to"] != share["compare_to"])
+        ours = share["delta_avg_ppl"] if share["delta_avg_ppl"] else math.nan
+        paper = share["paper_delta"] if share["paper_delta"] else math.nan
+        table["share_of_gain"] = (table["delta_avg_ppl"] / ours).mask(off)
+        table["paper_share_of_gain"] = (table["paper_delta"] / paper).mask(off)
+    return table

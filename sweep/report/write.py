@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pandas as pd
+
 from sweep.grid import Grid
+from sweep.report.curves import curves_markdown, mean_curves, metric_curves, side_of_reference
 from sweep.report.display import display_table, markdown
-from sweep.report.figures import write_figures
+from sweep.report.figures import write_curve_figures, write_figures
 from sweep.report.runs import finished_runs
 from sweep.report.tables import bench_columns, build_table
 from sweep.store import Tracker, experiment_name, tracking_uri
@@ -28,14 +31,24 @@ def write_tables(
         The written paths by extension (tables) and by name (figures).
     """
     runs = finished_runs(grid, scale, results_dir, seeds)
+    tracker = Tracker(tracking_uri(results_dir), experiment_name(grid.name, scale))
+    mean = mean_curves(metric_curves(runs, tracker.client), grid) if len(runs) else pd.DataFrame()
     table = build_table(grid, scale, runs)
+    sides = side_of_reference(mean, grid)
+    table["vs_reference_last_half"] = [sides.get(r, "") for r in table["id"]]
     shown = display_table(table, grid.columns, bench_columns(grid, runs))
     paths = table_paths(grid, scale, results_dir)
     _write_atomic(paths["md"], markdown(grid, scale, table, shown, command))
     _write_atomic(paths["csv"], table.to_csv(index=False, float_format="%.6g"))
     _write_atomic(paths["tex"], shown.to_latex(index=False, escape=True))
-    tracker = Tracker(tracking_uri(results_dir), experiment_name(grid.name, scale))
-    figures = write_figures(runs, tracker.client, results_dir / "figures", paths["md"].stem)
+    stem = paths["md"].stem
+    if not mean.empty:
+        paths["curves_md"] = results_dir / f"{stem}_curves.md"
+        paths["curves_csv"] = results_dir / f"{stem}_curves.csv"
+        _write_atomic(paths["curves_md"], curves_markdown(grid, scale, mean, command))
+        _write_atomic(paths["curves_csv"], mean.to_csv(float_format="%.6g"))
+    figures = write_figures(runs, tracker.client, results_dir / "figures", stem)
+    figures.update(write_curve_figures(grid, runs, mean, tracker.client, results_dir / "figures", stem))
     report = tracker.report_run()
     tracker.log_files(report, list(paths.values()), "tables")
     tracker.log_files(report, list(figures.values()), "figures")

@@ -7,13 +7,16 @@ the grid sampler; its objective is the final validation Avg PPL (lower is better
 - **Pruning by step**: :class:`StepPruningCallback` reports ``val/loss`` at the trainer's global
   step after every validation, so a single-epoch LM run reports several times (Optuna's
   Lightning callback reports per epoch and never prunes here); a median pruner decides, from
-  the third trial on and never in the first third of training.
+  the third trial on and never in the first third of training. A ladder never prunes
+  (:func:`make_pruner`): it exists to measure every rung, the stability ladder of
+  ``make stability`` included, and a pruned rung has no final loss.
 - **Divergence is data**: a diverged trial is recorded as PRUNED with the user attribute
   ``diverged`` (its reason), and the study goes on. Other errors mark the trial FAIL and the
   study goes on too.
 - **Storage**: ``results/optuna.db`` (SQLite, one machine) unless ``STORAGE`` names a PostgreSQL
   or MySQL URL that many workers share. A rerun continues the study: only the trials still
-  missing from the budget run. A heartbeat fails the trials of dead workers and retries them once.
+  missing from the budget run, and a study whose row's config has changed since is refused. A
+  heartbeat fails the trials of dead workers and retries them once.
 - **MLflow**: experiment ``<grid>-<scale>-lr``; one parent run per study (tag ``kind=study``),
   one child per trial (tag ``mlflow.parentRunId``, ``trial``, ``trial_state``); the parent gets
   ``best/max_lr`` and ``best/avg_ppl``.
@@ -38,7 +41,7 @@ from sweep.run.cell import checkpoint_dir, train_cell
 from sweep.run.progress import ProgressPrinter, SweepClock
 from sweep.run.runner import pin_threads, quiet_lightning
 from sweep.store import Tracker, tracking_uri
-from sweep.studies import DIVERGED_ATTR, make_storage, storage_url, trial_outcome
+from sweep.studies import DIVERGED_ATTR, ROW_KEY_ATTR, VAL_LOSS_ATTR, make_storage, storage_url, trial_outcome
 
 COUNTED = (TrialState.COMPLETE, TrialState.PRUNED)  # trials that use up the budget
 
@@ -96,6 +99,15 @@ def _unvisited(study: optuna.Study, ladder: list[float]) -> list[float]:
     return [lr for lr in ladder if lr not in done]
 
 
+def make_pruner(ladder: list[float] | None, max_steps: int) -> optuna.pruners.BasePruner:
+    """The study's pruner: none for a fixed ladder (every rung trains to the end or diverges, so
+    each has a final loss), else a median pruner that decides from the third trial on and never in
+    the first third of ``max_steps`` (early losses mostly reflect the warmup ramp)."""
+    if ladder:
+        return optuna.pruners.NopPruner()
+    return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=max_steps // 3)
+
+
 def _sampler(ladder: list[float] | None, seed: int) -> optuna.samplers.BaseSampler:
     if ladder:
         return optuna.samplers.GridSampler({"max_lr": ladder}, seed=seed)
@@ -118,21 +130,32 @@ def tune_row(
 
     Returns:
         The study.
+
+    Raises:
+        ValueError: the study holds trials of another config of the row (the grid or its corpus
+            changed since), or of another ladder.
     """
     quiet_lightning()
     pin_threads()
     name = study_name(grid, scale, row, ladder=bool(ladder))
     url = storage_url(results_dir, storage)
+    shown = url.split("@")[-1] if "@" in url else url  # never print a password
+    config = grid.resolve(scale, row, 0)
     study = optuna.create_study(
         study_name=name,
         storage=make_storage(url),
-        # Never within the first third of training: early losses mostly reflect the warmup ramp.
-        pruner=optuna.pruners.MedianPruner(
-            n_startup_trials=2, n_warmup_steps=grid.resolve(scale, row, 0).train.max_steps // 3
-        ),
+        pruner=make_pruner(ladder, config.train.max_steps),
         direction="minimize",
         load_if_exists=True,
     )
+    recorded = study.user_attrs.get(ROW_KEY_ATTR)
+    if recorded is None:
+        study.set_user_attr(ROW_KEY_ATTR, run_key(config))
+    elif recorded != run_key(config):  # a rerun would mix trials of two recipes in one study
+        raise ValueError(
+            f"study {name} holds trials of another config of row '{row.id}' (the grid or its corpus "
+            f"changed); remove it with: optuna delete-study --study-name {name} --storage {shown}"
+        )
     tracker = Tracker(tracking_uri(results_dir), f"{grid.name}-{scale}-lr", results_dir / "mlartifacts")
     parent = tracker.named_run(name, {"kind": Kind.STUDY, "optuna_study": name})
     done = len(study.get_trials(deepcopy=False, states=COUNTED))
@@ -143,7 +166,6 @@ def tune_row(
     study.sampler = _sampler(ladder, seed=len(study.get_trials(deepcopy=False)))
     if ladder:
         todo = min(todo, len(_unvisited(study, ladder)))
-    shown = url.split("@")[-1] if "@" in url else url  # never print a password
     out(f"study {name}: {done} of {trials} trials done, {todo} to run; storage {shown}")
     clock = SweepClock(todo)
 
@@ -194,6 +216,7 @@ def tune_row(
         finally:
             clock.cell_done(time.perf_counter() - started)
         value = final[N.VAL_PPL_AVG]
+        trial.set_user_attr(VAL_LOSS_ATTR, final[N.VAL_LOSS])  # nats: the stability report's measure
         _close(tracker, child, Status.FINISHED, TrialOutcome.COMPLETE, None)
         drop_step_checkpoints(checkpoints)
         out(f"{prefix} done: Avg PPL {value:.2f}")
