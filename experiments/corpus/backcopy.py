@@ -15,9 +15,7 @@ the heads learn to do nothing there by attending to ``<bos>``: a first-token att
 
 from __future__ import annotations
 
-import datetime as dt
 import json
-import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from experiments.config import BackcopyConfig, DataConfig, to_dict
-from experiments.corpus.reader import CORPUS_FORMAT_VERSION, MANIFEST
+from experiments.corpus.reader import MANIFEST, manifest_header
 
 BOS = 0
 DOMAIN = "backcopy"
@@ -122,11 +120,7 @@ def write_corpus(data: DataConfig, digest: str, out: Path, log: Callable[[str], 
         seqs.tofile(out / rel)
         totals[split] = {DOMAIN: int(seqs.size)}
     manifest = {
-        "format_version": CORPUS_FORMAT_VERSION,
-        "recipe": to_dict(data),
-        "recipe_hash": digest,
-        "python": platform.python_version(),
-        "built_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        **manifest_header(to_dict(data), digest),
         "domains": [DOMAIN],
         "dtype": "uint16",
         "tokenizer": {"file": None, "vocab_size": cfg.vocab_size, "eos_id": BOS, "eos": "<bos>"},

@@ -4,12 +4,10 @@ tokenizer, encode the token files, write the manifest last (see ``experiments.co
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import fcntl
 import hashlib
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -34,6 +32,7 @@ from experiments.corpus.reader import (
     Corpus,
     CorpusError,
     default_cache_root,
+    manifest_header,
 )
 from experiments.corpus.sources import Source
 
@@ -180,11 +179,7 @@ def _build(cfg: DataConfig, digest: str, out: Path, downloads: Path, log: Callab
         spans[d] = [start, start + totals["train"][d]]
         start += totals["train"][d]
     manifest = {
-        "format_version": CORPUS_FORMAT_VERSION,
-        "recipe": to_dict(cfg),
-        "recipe_hash": digest,
-        "python": platform.python_version(),
-        "built_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        **manifest_header(to_dict(cfg), digest),
         "build_seconds": round(time.perf_counter() - t_start, 2),
         "domains": domains,
         "dtype": dtype.name,

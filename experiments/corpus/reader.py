@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
+import platform
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,18 @@ EOS = "<|endoftext|>"
 SPLITS = ("train", "val", "test")
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
+
+
+def manifest_header(recipe: dict[str, Any], digest: str) -> dict[str, Any]:
+    """The fields every ``manifest.json`` opens with: format version, recipe (``to_dict`` of the
+    ``DataConfig``), its hash, the Python version and the build time (UTC)."""
+    return {
+        "format_version": CORPUS_FORMAT_VERSION,
+        "recipe": recipe,
+        "recipe_hash": digest,
+        "python": platform.python_version(),
+        "built_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 class CorpusError(RuntimeError):

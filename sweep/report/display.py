@@ -41,13 +41,17 @@ def _fmt_share(value: float) -> str:
 
 
 def display_table(
-    table: pd.DataFrame, columns: tuple[str, ...] = (), bench: list[BenchColumn] | None = None
+    table: pd.DataFrame,
+    columns: tuple[str, ...] = (),
+    bench: list[BenchColumn] | None = None,
+    share_of: str | None = None,
 ) -> pd.DataFrame:
     """Human-readable strings for Markdown and LaTeX: missing cells are "—", never 0; the Δ columns
     of a row measured against itself (its ``compare_to`` column names it) read "reference", and a
     "vs #" column names each row's reference when they differ; ``columns`` names the probe columns
     to show (keys of ``experiments.names.PROBE_COLUMNS``); ``bench`` the benchmark columns
-    (``sweep.report.tables.bench_columns``), headed with their chance level."""
+    (``sweep.report.tables.bench_columns``), headed with their chance level; ``share_of`` the row
+    id the "Share of #N's gain" column divides by (``Grid.share_of``)."""
     domains = [
         c.removeprefix("ppl_") for c in table.columns if c.startswith("ppl_") and not c.endswith("_std")
     ]
@@ -64,10 +68,9 @@ def display_table(
     out["Δ Avg PPL"] = [
         _fmt_delta(*v) for v in zip(table["delta_avg_ppl"], table["delta_ci95_low"], table["delta_ci95_high"])
     ]
-    if "share_of_gain" in table.columns:
-        shared = table.loc[table["share_of_gain"] == 1.0, "row"]
-        heading = f"Share of #{shared.iloc[0]}'s gain" if len(shared) else "Share of gain"
-        out[heading] = [_fmt_share(v) for v in table["share_of_gain"]]
+    if share_of is not None and "share_of_gain" in table.columns:
+        number = table.loc[table["id"] == share_of, "row"].iloc[0]
+        out[f"Share of #{number}'s gain"] = [_fmt_share(v) for v in table["share_of_gain"]]
     out["Seeds"] = table["n_seeds"]
     if "vs_reference_last_half" in table.columns and table["vs_reference_last_half"].astype(bool).any():
         out["vs ref., last half"] = [v or "—" for v in table["vs_reference_last_half"]]

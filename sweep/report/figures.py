@@ -88,14 +88,19 @@ def first_token_figure(runs: pd.DataFrame) -> Figure | None:
             lw=2.5 if base else 1.2,
             label=f"{label} (mean {np.mean(values):.3f})",
         )
-    if N.F_ATTN_FLOOR in runs.columns and runs[N.F_ATTN_FLOOR].notna().any():
-        floor = float(runs[N.F_ATTN_FLOOR].mean())
-        ax.axhline(floor, color="gray", ls="--", lw=1, label=f"uniform-attention floor {floor:.3f}")
+    _floor_line(ax, runs)
     ax.set(xlabel="layer", ylabel="attention on the first token", title="First-token attention per layer")
     ax.set_xticks(np.arange(len(layer_cols)))
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=7)
     return fig
+
+
+def _floor_line(ax, runs: pd.DataFrame) -> None:
+    """F-Attn's uniform-attention floor (mean over ``runs``) as a dashed line, where logged."""
+    if N.F_ATTN_FLOOR in runs.columns and runs[N.F_ATTN_FLOOR].notna().any():
+        floor = float(runs[N.F_ATTN_FLOOR].mean())
+        ax.axhline(floor, color="gray", ls="--", lw=1, label=f"uniform-attention floor {floor:.3f}")
 
 
 def gate_histogram(client, run_ids: list[str]) -> tuple[np.ndarray, np.ndarray] | None:
@@ -164,8 +169,8 @@ def write_curve_figures(
         ):
             probed = mean_curves(metric_curves(runs, client, key), grid)
             fig = curves_figure(probed, grid, ylabel=label)
-            if fig is not None and key == N.F_ATTN and N.F_ATTN_FLOOR in runs.columns:
-                fig.axes[0].axhline(float(runs[N.F_ATTN_FLOOR].mean()), color="gray", ls="--", lw=1)
+            if fig is not None and key == N.F_ATTN:
+                _floor_line(fig.axes[0], runs)
             drawn[name] = fig
     return _save(drawn, folder, stem)
 

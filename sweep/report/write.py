@@ -36,7 +36,7 @@ def write_tables(
     table = build_table(grid, scale, runs)
     sides = side_of_reference(mean, grid)
     table["vs_reference_last_half"] = [sides.get(r, "") for r in table["id"]]
-    shown = display_table(table, grid.columns, bench_columns(grid, runs))
+    shown = display_table(table, grid.columns, bench_columns(grid, runs), grid.share_of)
     paths = table_paths(grid, scale, results_dir)
     _write_atomic(paths["md"], markdown(grid, scale, table, shown, command))
     _write_atomic(paths["csv"], table.to_csv(index=False, float_format="%.6g"))
