@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+try:
+    import resource
+except ImportError:  # not on Windows
+    resource = None
 
 FINAL_CHECKPOINT = "final.ckpt"  # the finished run's weights, for evaluation
 _STEP_FILE = re.compile(r"^step(\d+)\.ckpt$")
@@ -32,14 +38,55 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     truncated one."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        """Raises:
+        CheckpointWriteError: the file could not be written (disk full, file-size limit); the
+            partial ``.tmp`` is removed and the previous checkpoint stays.
+        """
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            torch.save(checkpoint, f)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+        except Exception as err:  # torch reports a short write as RuntimeError("... unexpected pos ...")
+            written = tmp.stat().st_size if tmp.exists() else 0
+            tmp.unlink(missing_ok=True)
+            raise CheckpointWriteError(path, written, err) from err
+        except BaseException:  # Ctrl-C mid-write: no partial file either
+            tmp.unlink(missing_ok=True)
+            raise
         os.replace(tmp, path)
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint that could not be written, with the likely reason in words: the file-size
+    limit (``ulimit -f``) or a full disk, which torch reports only as ``unexpected pos``.
+
+    Args:
+        path: the checkpoint that was being written.
+        written: bytes written before the failure.
+        err: what the write raised.
+    """
+
+    def __init__(self, path: Path, written: int, err: BaseException) -> None:
+        detail = (str(err).strip().splitlines() or [""])[0][:200]
+        super().__init__(
+            f"checkpoint {path.name} not written: {write_failure_reason(path.parent, written)} "
+            f"({type(err).__name__}: {detail})"
+        )
+
+
+def write_failure_reason(folder: Path, written: int) -> str:
+    """Why a write into ``folder`` that stopped after ``written`` bytes most likely failed."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0] if resource else -1
+    if limit not in (-1, getattr(resource, "RLIM_INFINITY", -1)) and written >= limit - (1 << 20):
+        return f"file too large: the file-size limit (ulimit -f) is {limit / 2**20:.1f} MiB"
+    free = shutil.disk_usage(folder).free
+    if free < max(written, 1 << 20) + (64 << 20):
+        return f"disk full: {free / 2**20:.1f} MiB free in {folder}"
+    return "write failed"
 
 
 class PeriodicCheckpoint(pl.Callback):

@@ -82,6 +82,10 @@ class LMModule(pl.LightningModule):
     and ``val/loss`` (token-weighted mean NLL in nats). The last validation's figures stay in
     ``self.last_val``.
 
+    Steps: a metric's MLflow step is the number of optimiser updates the measured weights have
+    had. ``train/loss`` at step k is the loss of the weights after k updates (on the batch of the
+    next one); a validation or probe after k updates is at step k, the last at ``train.max_steps``.
+
     Every step's loss is checked: a loss spike (``experiments.stability``) is logged at once as
     ``stability/spike`` (value: the loss, step: the step); a diverged loss raises
     :class:`~experiments.stability.Diverged` before the backward pass, so no optimiser step is
@@ -196,13 +200,19 @@ class LMModule(pl.LightningModule):
         figures[N.VAL_PPL_AVG] = sum(ppl.values()) / len(ppl)
         figures[N.VAL_LOSS] = float(self._nll_sum.sum() / self._tok_count.sum())
         self.last_val, self.last_val_step = figures, self.global_step
-        for key, value in figures.items():
-            self.log(key, value, logger=True)
+        # At the optimiser steps taken (Lightning's own step for a validation inside fit is one
+        # lower, outside it not), so every validation and probe of the weights after k steps is
+        # at step k, as train/loss at step k is the loss of those same weights.
+        self._log_at_step(figures)
         self.validations += 1
         every = self.cfg.train.probe_every
         last = self.global_step >= self.cfg.train.max_steps
         if every and self.validations % every == 0 and self.probe_tokens is not None and not last:
-            self.log_dict(self.probe().metrics(), logger=True)
+            self._log_at_step(self.probe().metrics())
+
+    def _log_at_step(self, metrics: dict[str, float]) -> None:
+        if self.logger is not None:
+            self.logger.log_metrics(metrics, step=self.global_step)
 
     def probe(self) -> ProbeResult:
         """Run the probes on the probe batch (see ``experiments.probes``)."""

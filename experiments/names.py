@@ -6,6 +6,7 @@ metric key, a status or a probe column. Metric keys use only ``[A-Za-z0-9_/.-]``
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -30,6 +31,10 @@ PARAMS_TOTAL = "params/total"
 PARAMS_ACTIVE = "params/active"  # what one token uses (a MoE's unchosen experts left out)
 PARAMS_ADDED = "params/added"  # total against the row's reference row
 LOSS_SPIKES = "stability/loss_spikes"
+#: Run tag saying how its metric steps count: ``updates`` = the optimiser updates the measured
+#: weights had (``experiments.lit.LMModule``). Runs without it logged validations one step lower.
+METRIC_STEPS_TAG = "metric_steps"
+METRIC_STEPS_UPDATES = "updates"
 DIVERGED_STEP = "stability/diverged_step"
 
 # --- probes (experiments.probes) ---------------------------------------------------------------------
@@ -44,7 +49,7 @@ GATE_LOGIT_STD_INIT = "init/gate_logit_std"  # std of the gate logits XW at step
 BRANCH_SCALE_INIT = "init/branch_scale"  # RMS of the attention output, gated / gate bypassed, at step 0
 M_ACT = "act/max_mean"  # mean over layers of the largest |activation| of the residual stream
 M_ACT_MAX = "act/max_max"
-M_ACT_LAYER = "act/max"  # per-layer family: act/max/layer_00 ...
+M_ACT_LAYER = "act/max"  # per-layer family: act/max.layer_00 ...
 SDPA_ABS_PRE = "act/sdpa_abs_mean_pre"
 SDPA_ABS_POST = "act/sdpa_abs_mean_post"
 
@@ -66,14 +71,29 @@ def domain_of(key: str) -> str | None:
     return key.removeprefix(VAL_PPL_PREFIX)
 
 
-def layer_prefix(family: str) -> str:
-    """``<family>/layer_``: what every per-layer key of a series starts with."""
-    return f"{family}/layer_"
+#: The separator of a per-layer key: not ``/``, so no metric name is a folder of another
+#: (``sink/first_token_attn`` is a metric; MLflow's file store could not also hold
+#: ``sink/first_token_attn/layer_00`` under it).
+LAYER_SEP = ".layer_"
+_LEGACY_LAYER_KEY = re.compile(r"^(.+)/layer_(\d+)$")  # how runs logged before this change name them
 
 
 def layer_key(family: str, layer: int) -> str:
-    """``<family>/layer_<ll>``: one layer's value of a per-layer series, e.g. ``act/max/layer_03``."""
-    return f"{layer_prefix(family)}{layer:02d}"
+    """``<family>.layer_<ll>``: one layer's value of a per-layer series, e.g. ``act/max.layer_03``."""
+    return f"{family}{LAYER_SEP}{layer:02d}"
+
+
+def layer_columns(columns: Iterable[str], family: str) -> list[str]:
+    """The per-layer keys of ``family`` among ``columns`` (``<family>.layer_<ll>``), by layer."""
+    prefix = f"{family}{LAYER_SEP}"
+    return sorted(c for c in columns if c.startswith(prefix) and c.removeprefix(prefix).isdigit())
+
+
+def current_key(key: str) -> str:
+    """A metric key as this version names it: ``<family>/layer_<ll>`` (older runs) becomes
+    ``<family>.layer_<ll>``; any other key is returned as is."""
+    m = _LEGACY_LAYER_KEY.match(key)
+    return layer_key(m[1], int(m[2])) if m else key
 
 
 def sparsity_key(what: Literal["sdpa", "control"], threshold: float) -> str:

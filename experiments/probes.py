@@ -180,7 +180,7 @@ class ProbeResult:
     heads: dict[str, list[list[float]]]
     gate_hist: np.ndarray | None
 
-    #: per-layer series that also go to MLflow as ``<key>/layer_<ll>`` (the design card's names)
+    #: per-layer series that also go to MLflow as ``<key>.layer_<ll>`` (``names.layer_key``)
     LAYER_METRICS = {
         "gate_score_mean": N.GATE_SCORE_MEAN,
         "f_attn": N.F_ATTN,
@@ -191,7 +191,7 @@ class ProbeResult:
     }
 
     def metrics(self) -> dict[str, float]:
-        """Summary plus per-layer metrics, e.g. ``sink/first_token_attn/layer_03``: a bounded key set."""
+        """Summary plus per-layer metrics, e.g. ``sink/first_token_attn.layer_03``: a bounded key set."""
         out = dict(self.summary)
         for name, key in self.LAYER_METRICS.items():
             for layer, value in enumerate(self.layers.get(name, [])):

@@ -9,6 +9,7 @@ values listed; each dataclass's ``__post_init__`` adds its own checks by raising
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, Literal, TypeVar, get_args, get_origin
@@ -101,6 +102,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(path, f"must be a number, got {value!r}")
+        if not math.isfinite(value):  # .nan / .inf pass every range check that follows
+            raise ConfigError(path, f"must be a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

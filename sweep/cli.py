@@ -79,6 +79,12 @@ def _workers(value: str) -> int:
 
 
 def _writable(results: Path) -> None:
+    from sweep.store import check_url_safe
+
+    try:
+        check_url_safe(results)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     try:
         results.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=results):
@@ -146,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         if args.command == "worker":
             return _worker(args, grid, cells, results, cache)
+        for ids in grid.same_config_rows(cells):
+            print(f"note: rows {', '.join(ids)} have one config at {args.scale}: trained once, shown in each")
         with StopRequest() as stop:
             try:
                 if args.workers > 1 or args.storage:
@@ -181,6 +189,13 @@ def main(argv: list[str] | None = None) -> int:
         if figures:
             print(f"figures: {', '.join(figures)}")
         return 1 if bench_failed or any(o.status in (Outcome.FAILED, Outcome.KILLED) for o in outcomes) else 0
+    except KeyboardInterrupt:  # outside training (which StopRequest handles): planning, scoring, tables
+        print(
+            f"{args.command} interrupted: no table or figure was half-written; "
+            "run the same command again to finish",
+            file=sys.stderr,
+        )
+        return 130
     except CorpusError as err:
         print(f"error: {args.grid}: data.sources: {err}", file=sys.stderr)
         return 2

@@ -31,6 +31,9 @@ from experiments.strict import ConfigError, from_dict, identity_dict, to_dict
 from sweep.gridfile import GridError, deep_merge, inherit, read_yaml
 
 _ROW_ID = re.compile(r"^[a-z0-9_]+$")
+#: A grid or scale name: it becomes a file name (``results/<grid>_<scale>.md``), an MLflow
+#: experiment name and part of MLflow / Optuna filter strings, so nothing a path or a query reads.
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _ROW_PATH = re.compile(r"^rows\[(\d+)\](?:\.(.*))?$")
 
 
@@ -99,8 +102,10 @@ class EvalConfig:
     max_gen_toks: int = 64
 
     def __post_init__(self) -> None:
-        if not all(self.tasks) or len(set(self.tasks)) < len(self.tasks):
-            raise ConfigError("tasks", f"must be a list of distinct task names; got {list(self.tasks)}")
+        if not all(map(_NAME.match, self.tasks)) or len(set(self.tasks)) < len(self.tasks):
+            raise ConfigError(
+                "tasks", f"must be a list of distinct task names ([A-Za-z0-9_.-]); got {list(self.tasks)}"
+            )
         for task, shots in self.num_fewshot.items():
             if task not in self.tasks or shots < 0:
                 raise ConfigError(
@@ -149,8 +154,17 @@ class GridSpec:
     inherit: str | None = None
 
     def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise ConfigError(
+                "name", f"must be letters, digits, '_', '.', '-' (a file name), got {self.name!r}"
+            )
         if not self.scales:
             raise ConfigError("scales", "defines no scale")
+        for scale in self.scales:
+            if not _NAME.match(scale):
+                raise ConfigError(
+                    f"scales.{scale}", "a scale name must be letters, digits, '_', '.', '-' (a file name)"
+                )
         if not self.rows:
             raise ConfigError("rows", "must be a non-empty list of rows")
         seeds = self.seeds
@@ -255,6 +269,17 @@ class Grid:
                 cfg = self.resolve(scale, row, seed)
                 out.append(Cell(self.name, scale, row, seed, cfg, run_key(cfg)))
         return out
+
+    @staticmethod
+    def same_config_rows(cells: list[Cell]) -> list[tuple[str, ...]]:
+        """Groups of rows whose cells resolve to one config (one ``run_key``): trained once, that
+        run shown in each of the rows."""
+        rows: dict[str, list[str]] = {}
+        for cell in cells:
+            ids = rows.setdefault(cell.run_key, [])
+            if cell.row.id not in ids:
+                ids.append(cell.row.id)
+        return sorted({tuple(ids) for ids in rows.values() if len(ids) > 1})
 
     @property
     def baseline(self) -> Row:

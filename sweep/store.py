@@ -45,12 +45,48 @@ def user_tracking_env() -> Iterator[None]:
             os.environ["MLFLOW_TRACKING_URI"] = before
 
 
+#: Characters a database URL reads as syntax (query, fragment, escape), whatever the quoting:
+#: SQLAlchemy would decode a quoted path but MLflow makes the folder from the raw text.
+URL_SPECIAL = "?#%"
+
+
+def check_url_safe(path: Path) -> None:
+    """Refuse a local path that cannot be written into a ``sqlite:///`` URL unchanged.
+
+    Raises:
+        ValueError: the path holds one of :data:`URL_SPECIAL`; the message names the path.
+    """
+    found = sorted(set(str(path.resolve())) & set(URL_SPECIAL))
+    if found:
+        raise ValueError(
+            f"{path}: a folder whose path holds {' '.join(repr(c) for c in found)} cannot hold a SQLite "
+            "store (a database URL reads them as syntax); choose another results folder"
+        )
+
+
+def sqlite_url(path: Path) -> str:
+    """``sqlite:///<absolute path>`` of a local database file.
+
+    Raises:
+        ValueError: the path cannot be written into a URL unchanged (:func:`check_url_safe`).
+    """
+    check_url_safe(path)
+    return f"sqlite:///{path.resolve()}"
+
+
 def tracking_uri(results_dir: Path) -> str:
-    """``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<results_dir>/mlflow.db`` (absolute)."""
+    """``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<results_dir>/mlflow.db`` (absolute).
+
+    Raises:
+        TrackingError: the default store's path cannot be written into a URL (:func:`sqlite_url`).
+    """
     env = os.environ.get("MLFLOW_TRACKING_URI")
     if env:
         return env
-    return f"sqlite:///{(results_dir / 'mlflow.db').resolve()}"
+    try:
+        return sqlite_url(results_dir / "mlflow.db")
+    except ValueError as err:
+        raise TrackingError(str(err)) from None
 
 
 def experiment_name(grid: str, scale: str) -> str:
@@ -74,6 +110,18 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
                 else str(value)
             )
     return out
+
+
+def quoted(value: str) -> str:
+    """``value`` as a string literal of an MLflow search filter (single quotes, else double).
+
+    Raises:
+        ValueError: ``value`` holds both quote characters (the filter grammar has no escape).
+    """
+    for quote in ("'", '"'):
+        if quote not in value:
+            return f"{quote}{value}{quote}"
+    raise ValueError(f"{value!r} cannot be quoted in an MLflow filter: it holds both quote characters")
 
 
 def _first_line(err: BaseException) -> str:
@@ -165,7 +213,7 @@ class Tracker:
         """Live cell runs tagged with ``run_key`` in any experiment of the store, newest first."""
         return self.client.search_runs(
             self.experiment_ids(),
-            filter_string=f"tags.run_key = '{run_key}' and tags.kind = '{Kind.CELL}'",
+            filter_string=f"tags.run_key = {quoted(run_key)} and tags.kind = {quoted(Kind.CELL)}",
             order_by=["attributes.start_time DESC"],
             max_results=1000,
         )
@@ -177,7 +225,7 @@ class Tracker:
             for status in statuses
             for r in self.client.search_runs(
                 self.experiment_ids(),
-                filter_string=f"tags.status = '{status}' and tags.kind = '{Kind.CELL}'",
+                filter_string=f"tags.status = {quoted(status)} and tags.kind = {quoted(Kind.CELL)}",
                 max_results=50000,
             )
         ]
@@ -229,7 +277,7 @@ class Tracker:
     def named_run(self, name: str, tags: dict[str, str]) -> str:
         """The experiment's run carrying all of ``tags``, created (as ``name``) on first use; for
         runs that are not cells: the ``report`` run, an Optuna study's parent run."""
-        query = " and ".join(f"tags.{k} = '{v}'" for k, v in tags.items())
+        query = " and ".join(f"tags.{k} = {quoted(v)}" for k, v in tags.items())
         found = self.client.search_runs([self.experiment_id], filter_string=query)
         if found:
             return found[0].info.run_id

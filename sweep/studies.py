@@ -17,6 +17,7 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy import event
 
 from experiments.names import TrialOutcome
+from sweep.store import sqlite_url
 
 HEARTBEAT_S = 30
 DIVERGED_ATTR = "diverged"  # the user attribute (its reason) of an LR-search trial pruned for diverging
@@ -25,8 +26,12 @@ ROW_KEY_ATTR = "row_run_key"  # the study's user attribute: run_key of the row's
 
 
 def storage_url(results_dir: Path, url: str | None) -> str:
-    """``url`` if given, else SQLite at ``results/optuna.db`` (absolute)."""
-    return url or f"sqlite:///{(results_dir / 'optuna.db').resolve()}"
+    """``url`` if given, else SQLite at ``results/optuna.db`` (absolute).
+
+    Raises:
+        ValueError: the results folder's path cannot be written into a URL (``sweep.store.sqlite_url``).
+    """
+    return url or sqlite_url(results_dir / "optuna.db")
 
 
 def make_storage(url: str, heartbeat_s: int | None = None, max_retry: int = 1) -> optuna.storages.RDBStorage:

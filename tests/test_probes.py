@@ -84,7 +84,7 @@ def test_gate_scores_forced_to_known_values() -> None:
     assert (s["gate/score_q90"], s["gate/score_q99"]) == (pytest.approx(0.9), pytest.approx(0.9))
     assert result.heads["gate_score"][0] == pytest.approx([0.05, 0.2, 0.6, 0.9])  # one score per head
     assert result.gate_hist.sum() == 2 * 3 * T * 32  # layers x sequences x tokens x scores
-    assert result.metrics()["gate/score_mean/layer_01"] == pytest.approx(0.4375)
+    assert result.metrics()["gate/score_mean.layer_01"] == pytest.approx(0.4375)
 
 
 def test_two_valued_gate_control_differs_from_the_real_sparsity() -> None:
@@ -159,7 +159,7 @@ def test_baseline_has_no_gate_metrics_and_probing_leaves_the_model_unchanged() -
 
 def test_probe_metric_keys_are_bounded() -> None:
     result = run_probes(build(GateConfig(position="sdpa")), tokens(1))
-    per_layer = [k for k in result.metrics() if "/layer_" in k]
+    per_layer = [k for k in result.metrics() if ".layer_" in k]
     assert len(per_layer) == 6 * SHAPE.n_layers  # gate score, F-Attn, late F-Attn, M-Act, |Y| pre, post
     assert len(result.metrics()) < 40
 

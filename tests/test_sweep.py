@@ -40,8 +40,10 @@ def test_micro_sweep_tracks_every_cell(micro: dict) -> None:
         ppl = [metrics[f"val/ppl/{d}"] for d in ("code", "law", "literature")]
         assert metrics["val/ppl/avg"] == pytest.approx(sum(ppl) / 3)
         assert len(client.get_metric_history(run.info.run_id, "train/loss")) == 8  # one point per step
-        # Lightning logs at the 0-based index of the last batch: validations after steps 4 and 8.
-        assert [m.step for m in client.get_metric_history(run.info.run_id, "val/ppl/avg")] == [3, 7]
+        # At the updates the weights had: validations after steps 4 and 8, probes at 8 beside them.
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "val/ppl/avg")] == [4, 8]
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "sink/first_token_attn")] == [8]
+        assert tags["metric_steps"] == "updates"
         assert run.data.params["model.d_model"] == "32"
         artifact = Path(
             client.download_artifacts(run.info.run_id, "config.yaml", str(micro["results"] / "dl"))
@@ -169,10 +171,7 @@ def test_a_last_step_off_the_validation_grid_is_still_validated(
     assert main(["sweep", "--grid", str(grid), "--results", str(tmp_path / "r"), "--rows", "baseline"]) == 0
     client, runs = _runs(tmp_path / "r")
     history = client.get_metric_history(runs[0].info.run_id, "val/ppl/avg")
-    assert [m.step for m in history] == [
-        2,
-        5,
-    ]  # in-fit at Lightning's 0-based index, then after the last step
+    assert [m.step for m in history] == [3, 5]  # after 3 updates in fit, then after the last
     assert runs[0].data.metrics["val/ppl/avg"] == history[-1].value
 
 
@@ -187,9 +186,9 @@ def test_probes_every_validation_when_asked(tmp_path: Path, monkeypatch: pytest.
     (run,) = runs
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "gate/score_mean")]
     val_steps = [m.step for m in client.get_metric_history(run.info.run_id, "val/ppl/avg")]
-    # Beside the in-fit validation's metrics (same step), but not again at the last step, which
-    # the final probe after training covers once.
-    assert val_steps == [3, 7] and steps == [3, 8]
+    # Beside the in-fit validation's metrics (same step); at the last step the final probe after
+    # training logs them once.
+    assert val_steps == [4, 8] and steps == [4, 8]
     assert {a.path for a in client.list_artifacts(run.info.run_id, "probes")} == {
         "probes/probes.json",
         "probes/gate_hist.npz",
@@ -227,7 +226,7 @@ def test_first_token_figure_draws_rows_of_different_depths() -> None:
 
     def run(label: str, layers: int) -> dict:
         out = {"label": label, "gate": "none", "status": "finished"}
-        return out | {f"sink/first_token_attn/layer_{i:02d}": 0.01 * (i + 1) for i in range(layers)}
+        return out | {f"sink/first_token_attn.layer_{i:02d}": 0.01 * (i + 1) for i in range(layers)}
 
     fig = first_token_figure(pd.DataFrame([run("shallow", 7), run("deep", 12)]))
     lines = fig.axes[0].get_lines()

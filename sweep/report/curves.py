@@ -24,13 +24,17 @@ STABLE_RANKS = 1 / 3  # the ranking check reads the last third
 
 def metric_curves(runs: pd.DataFrame, client, key: str = N.VAL_PPL_AVG) -> pd.DataFrame:
     """``key``'s history of every finished run: one line per (row, seed, step) with ``value``;
-    ``step`` counts the optimiser steps taken at that point (Lightning logs a validation at MLflow
-    step ``steps - 1``; the probes after training are logged at ``train.max_steps``)."""
+    ``step`` counts the optimiser updates taken at that point. Runs tagged
+    ``metric_steps=updates`` log it so; older runs logged an in-fit validation one step lower
+    (Lightning's count) and the probes after training at ``train.max_steps``."""
     lines = []
     for run in runs[runs["status"] == Status.FINISHED].itertuples():
-        last = int(client.get_run(run.run_id).data.params.get("train.max_steps", 0)) or None
+        found = client.get_run(run.run_id).data
+        older = found.tags.get(N.METRIC_STEPS_TAG) != N.METRIC_STEPS_UPDATES
+        last = int(found.params.get("train.max_steps", 0)) or None
         for m in client.get_metric_history(run.run_id, key):
-            step = m.step + 1 if last is None else min(m.step + 1, last)
+            step = m.step + 1 if older else m.step
+            step = step if last is None else min(step, last)
             lines.append({"row": run.row, "seed": run.seed, "step": step, "value": m.value})
     return pd.DataFrame(lines, columns=["row", "seed", "step", "value"])
 
@@ -46,8 +50,8 @@ def mean_curves(curves: pd.DataFrame, grid: Grid) -> pd.DataFrame:
 def side_of_reference(mean: pd.DataFrame, grid: Grid, fraction: float = STABLE_HALF) -> dict[str, str]:
     """Per row: ``better`` / ``worse`` when its mean curve stayed below / above its reference's
     at every validation of the last ``fraction`` of training (steps >= (1 - fraction) x the last
-    step), else ``flips at`` the steps where the side changed; no entry for a reference row or
-    without both curves."""
+    step), ``same`` when the curves are equal, else ``flips at`` the steps where the side
+    changed; no entry for a reference row or without both curves."""
     if mean.empty:
         return {}
     last = max(mean.columns)
@@ -61,7 +65,9 @@ def side_of_reference(mean: pd.DataFrame, grid: Grid, fraction: float = STABLE_H
         if diff.empty:
             continue
         signs = np.sign(diff.to_numpy())
-        if (signs < 0).all():
+        if (signs == 0).all():  # the same config as its reference (one run shown in two rows)
+            out[row.id] = "same"
+        elif (signs < 0).all():
             out[row.id] = "better"
         elif (signs > 0).all():
             out[row.id] = "worse"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -71,7 +70,7 @@ def loss_figure(runs: pd.DataFrame, client) -> Figure | None:
 
 def first_token_figure(runs: pd.DataFrame) -> Figure | None:
     """Figure 2 (left): F-Attn per layer for every row (mean over seeds); the baseline in black."""
-    layer_cols = sorted(c for c in runs.columns if c.startswith(N.layer_prefix(N.F_ATTN)))
+    layer_cols = N.layer_columns(runs.columns, N.F_ATTN)
     runs = runs[runs["status"] == Status.FINISHED]  # a diverged run's probes are mid-training at best
     if not layer_cols or runs.empty:
         return None
@@ -142,25 +141,22 @@ def gate_score_figure(runs: pd.DataFrame, client) -> Figure | None:
     return fig
 
 
-def write_figures(runs: pd.DataFrame, client, folder: Path, stem: str) -> dict[str, Path]:
-    """Draw the three figures that ``runs`` supports into ``folder/<stem>_<name>.png``
-    (replaced atomically); return the written paths by name."""
-    folder.mkdir(parents=True, exist_ok=True)
-    drawn = {
+def draw_figures(runs: pd.DataFrame, client) -> dict[str, Figure | None]:
+    """The three figures of a table, by name: loss curves, F-Attn by layer and gate scores; None
+    for one that ``runs`` does not support."""
+    return {
         "loss_curves": loss_figure(runs, client),
         "first_token_attention": first_token_figure(runs),
         "gate_scores": gate_score_figure(runs, client),
     }
-    return _save(drawn, folder, stem)
 
 
-def write_curve_figures(
-    grid: Grid, runs: pd.DataFrame, mean: pd.DataFrame, client, folder: Path, stem: str
-) -> dict[str, Path]:
+def draw_curve_figures(
+    grid: Grid, runs: pd.DataFrame, mean: pd.DataFrame, client
+) -> dict[str, Figure | None]:
     """The learning curves (validation Avg PPL, ``mean``: :func:`sweep.report.curves.mean_curves`)
     and, where the runs were probed during training (``train.probe_every``), F-Attn and M-Act
-    over training (mean over seeds; F-Attn beside its floor)."""
-    folder.mkdir(parents=True, exist_ok=True)
+    over training (mean over seeds; F-Attn beside its floor), by name."""
     drawn = {"curves": curves_figure(mean, grid)}
     if len(runs):
         for name, key, label in (
@@ -172,18 +168,4 @@ def write_curve_figures(
             if fig is not None and key == N.F_ATTN:
                 _floor_line(fig.axes[0], runs)
             drawn[name] = fig
-    return _save(drawn, folder, stem)
-
-
-def _save(drawn: dict[str, Figure | None], folder: Path, stem: str) -> dict[str, Path]:
-    """Each figure to ``folder/<stem>_<name>.png``, replaced atomically; the written paths by name."""
-    paths = {}
-    for name, fig in drawn.items():
-        if fig is None:
-            continue
-        path = folder / f"{stem}_{name}.png"
-        tmp = path.with_suffix(".tmp.png")
-        fig.savefig(tmp, dpi=120)
-        tmp.replace(path)
-        paths[name] = path
-    return paths
+    return drawn

@@ -15,6 +15,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 from experiments import names as N
 from experiments.names import Status, TrialOutcome
 from sweep.grid import Grid, Row
+from sweep.report.publish import Staging
 from sweep.report.runs import finished_runs
 from sweep.studies import trial_table
 
@@ -84,7 +85,7 @@ def write_lr_report(
     ladder: bool = False,
 ) -> list[Path]:
     """Write the table (Markdown and CSV) and the figure (``<grid>_lr_search[_ladder][_<scale>].*``,
-    ``figures/<grid>_lr_sensitivity[_ladder][_<scale>].png``); return their paths."""
+    ``figures/<grid>_lr_sensitivity[_ladder][_<scale>].png``), all or nothing; return their paths."""
     table = lr_table(grid, scale, studies, results_dir)
     suffix = ("_ladder" if ladder else "") + ("" if scale == "tiny" else f"_{scale}")
     md, csv = (results_dir / f"{grid.name}_lr_search{suffix}.{ext}" for ext in ("md", "csv"))
@@ -99,9 +100,9 @@ def write_lr_report(
         "from the Optuna storage. Objective: final validation Avg PPL (lower is better); grid_avg_ppl is "
         "the sweep's own run at the grid's LR (seed 0), if there is one.\n\n"
     )
-    md.write_text(header + shown.to_markdown(index=False, disable_numparse=True) + "\n")
-    table.to_csv(csv, index=False, float_format="%.6g")
     figure = results_dir / "figures" / f"{grid.name}_lr_sensitivity{suffix}.png"
-    figure.parent.mkdir(parents=True, exist_ok=True)
-    lr_figure(grid, studies).savefig(figure, dpi=120)
+    with Staging(results_dir) as staging:  # all three files or none
+        staging.text(md, header + shown.to_markdown(index=False, disable_numparse=True) + "\n")
+        staging.text(csv, table.to_csv(index=False, float_format="%.6g"))
+        staging.figure(figure, lr_figure(grid, studies))
     return [md, csv, figure]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pandas as pd
 
 from experiments.config import GateConfig, to_dict
-from experiments.names import Status
+from experiments.names import Status, current_key
 from sweep.grid import Grid, Row, run_key
 from sweep.store import Tracker, experiment_name, flatten, tracking_uri
 
@@ -66,7 +66,8 @@ FRAME_COLUMNS = ["row", "label", "seed", "run_id", "status", "gate"]
 def runs_frame(runs: list) -> pd.DataFrame:
     """MLflow runs (``mlflow.search_runs(..., output_format="list")`` or the client's) as one
     line per run: ``row``, ``label``, ``seed``, ``run_id``, ``status``, ``gate`` (see
-    :func:`gate_signature`) and every metric under its MLflow key."""
+    :func:`gate_signature`) and every metric under its MLflow key (older runs' per-layer keys
+    renamed, ``experiments.names.current_key``)."""
     records = [
         {
             "row": r.data.tags.get("row"),
@@ -75,7 +76,7 @@ def runs_frame(runs: list) -> pd.DataFrame:
             "run_id": r.info.run_id,
             "status": r.data.tags.get("status"),
             "gate": gate_signature(r.data.params),
-            **r.data.metrics,
+            **{current_key(k): v for k, v in r.data.metrics.items()},
         }
         for r in runs
     ]

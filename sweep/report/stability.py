@@ -30,6 +30,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from experiments.names import TrialOutcome
 from sweep.grid import Grid
+from sweep.report.publish import Staging
 from sweep.studies import trial_table
 
 SENSITIVITY = "lr_sensitivity"  # nats
@@ -208,7 +209,7 @@ def write_ladder_report(
     command: str,
 ) -> tuple[list[Path], str]:
     """Write ``<grid>_lr_ladder[_<scale>].{md,csv}`` and ``figures/<grid>_lr_ladder[_<scale>].png``
-    (``_<scale>`` at scales other than ``tiny``).
+    (``_<scale>`` at scales other than ``tiny``), all or nothing.
 
     Returns:
         The paths written and the Markdown body (:func:`ladder_markdown`).
@@ -226,9 +227,9 @@ def write_ladder_report(
         "al. 2023): the mean over the ladder of min(L, L0) minus its minimum, a diverged rung "
         "counting L0 (docs/lr-search.md).\n\n"
     )
-    md.write_text(header + body)
-    table.to_csv(csv, index=False, float_format="%.6g")
     figure = results_dir / "figures" / f"{grid.name}_lr_ladder{suffix}.png"
-    figure.parent.mkdir(parents=True, exist_ok=True)
-    ladder_figure(table, ladder).savefig(figure, dpi=120)
+    with Staging(results_dir) as staging:  # all three files or none
+        staging.text(md, header + body)
+        staging.text(csv, table.to_csv(index=False, float_format="%.6g"))
+        staging.figure(figure, ladder_figure(table, ladder))
     return [md, csv, figure], body

@@ -9,7 +9,8 @@ import pandas as pd
 from sweep.grid import Grid
 from sweep.report.curves import curves_markdown, mean_curves, metric_curves, side_of_reference
 from sweep.report.display import display_table, markdown
-from sweep.report.figures import write_curve_figures, write_figures
+from sweep.report.figures import draw_curve_figures, draw_figures
+from sweep.report.publish import Staging
 from sweep.report.runs import finished_runs
 from sweep.report.tables import bench_columns, build_table
 from sweep.store import Tracker, experiment_name, tracking_uri
@@ -24,8 +25,9 @@ def table_paths(grid: Grid, scale: str, results_dir: Path) -> dict[str, Path]:
 def write_tables(
     grid: Grid, scale: str, results_dir: Path, command: str, seeds: list[int] | None = None
 ) -> dict[str, Path]:
-    """Write the table files and the figures (``results/figures/``) from the tracking store,
-    each file replaced atomically; both also go to the experiment's ``report`` run as artifacts.
+    """Write the table files and the figures (``results/figures/``) from the tracking store, all
+    or nothing (:class:`~sweep.report.publish.Staging`: an interrupt or error before the end
+    leaves the previous files as they were); then upload them to the experiment's ``report`` run.
 
     Returns:
         The written paths by extension (tables) and by name (figures).
@@ -38,24 +40,24 @@ def write_tables(
     table["vs_reference_last_half"] = [sides.get(r, "") for r in table["id"]]
     shown = display_table(table, grid.columns, bench_columns(grid, runs), grid.share_of)
     paths = table_paths(grid, scale, results_dir)
-    _write_atomic(paths["md"], markdown(grid, scale, table, shown, command))
-    _write_atomic(paths["csv"], table.to_csv(index=False, float_format="%.6g"))
-    _write_atomic(paths["tex"], shown.to_latex(index=False, escape=True))
     stem = paths["md"].stem
-    if not mean.empty:
-        paths["curves_md"] = results_dir / f"{stem}_curves.md"
-        paths["curves_csv"] = results_dir / f"{stem}_curves.csv"
-        _write_atomic(paths["curves_md"], curves_markdown(grid, scale, mean, command))
-        _write_atomic(paths["curves_csv"], mean.to_csv(float_format="%.6g"))
-    figures = write_figures(runs, tracker.client, results_dir / "figures", stem)
-    figures.update(write_curve_figures(grid, runs, mean, tracker.client, results_dir / "figures", stem))
+    figures: dict[str, Path] = {}
+    with Staging(results_dir) as staging:
+        staging.text(paths["md"], markdown(grid, scale, table, shown, command))
+        staging.text(paths["csv"], table.to_csv(index=False, float_format="%.6g"))
+        staging.text(paths["tex"], shown.to_latex(index=False, escape=True))
+        if not mean.empty:
+            paths["curves_md"] = staging.text(
+                results_dir / f"{stem}_curves.md", curves_markdown(grid, scale, mean, command)
+            )
+            paths["curves_csv"] = staging.text(
+                results_dir / f"{stem}_curves.csv", mean.to_csv(float_format="%.6g")
+            )
+        drawn = {**draw_figures(runs, tracker.client), **draw_curve_figures(grid, runs, mean, tracker.client)}
+        for name, fig in drawn.items():
+            if fig is not None:
+                figures[name] = staging.figure(results_dir / "figures" / f"{stem}_{name}.png", fig)
     report = tracker.report_run()
     tracker.log_files(report, list(paths.values()), "tables")
     tracker.log_files(report, list(figures.values()), "figures")
     return {**paths, **figures}
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)

@@ -69,17 +69,24 @@ def train_cell(
         )
         tracker.log_json(run_id, run.probe_record, "probe_batch.json")
         tracker.client.set_tag(run_id, "probe_sha256", run.probe_record["sha256"])
+        tracker.client.set_tag(run_id, N.METRIC_STEPS_TAG, N.METRIC_STEPS_UPDATES)
+        logged = dict(replayed or {})
+
+        def log_once(metrics: dict[str, float], step: int) -> None:
+            """A resumed run replays its end: a key already logged at ``step`` is not logged again."""
+            tracker.log_metrics(run_id, {k: v for k, v in metrics.items() if logged.get(k, -1) < step}, step)
+
         try:
             run.fit(resume_from)
         finally:  # diverged or not, the spikes seen so far are data
             logger.flush()
-            tracker.log_metrics(run_id, {N.LOSS_SPIKES: len(run.spikes)}, step=run.step)
+            log_once({N.LOSS_SPIKES: len(run.spikes)}, step=run.step)
             spikes = [{"step": s, "loss": v} for s, v in run.spikes]
             tracker.log_json(run_id, {"rule": run.spike_rule(), "spikes": spikes}, "stability.json")
         final = run.finish()
         logger.flush()
         final[N.PARAMS_ADDED] = final[N.PARAMS_TOTAL] - reference_params
-        tracker.log_metrics(run_id, {k: final[k] for k in (N.PARAMS_TOTAL, N.PARAMS_ACTIVE, N.PARAMS_ADDED)})
+        log_once({k: final[k] for k in (N.PARAMS_TOTAL, N.PARAMS_ACTIVE, N.PARAMS_ADDED)}, step=0)
         run.save_weights(checkpoints / FINAL_CHECKPOINT)
         tracker.client.set_tag(run_id, "checkpoint", str(checkpoints / FINAL_CHECKPOINT))
         try:
@@ -87,7 +94,7 @@ def train_cell(
         except (RuntimeError, ValueError) as err:  # torch reports out-of-memory as a RuntimeError
             tracker.client.set_tag(run_id, "probe_error", f"{type(err).__name__}: {err}"[:5000])
             return final
-        tracker.log_metrics(run_id, probes.metrics(), step=run.step)
+        log_once(probes.metrics(), step=run.step)
         with tempfile.TemporaryDirectory() as tmp:
             tracker.log_files(run_id, probes.save(Path(tmp)), "probes")
         final.update(probes.summary)

@@ -1,0 +1,112 @@
+"""All-or-nothing report files: every table and figure of one report is written into a private
+staging folder inside the results folder, then moved into place in one go with Ctrl-C and SIGTERM
+held back, so an interrupt leaves either the old report or the new one, never a mix.
+
+A staging folder left by a process that died (``kill -9``) is removed by the next report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+_PREFIX = ".staging-"  # .staging-<pid>@<host>-<random>/
+_HOST = socket.gethostname()
+
+
+class Staging:
+    """The files of one report, staged under ``results_dir/.staging-<pid>-*/``.
+
+    Use as a context manager: leaving it normally publishes the files (:meth:`publish`), leaving
+    it by an exception (a Ctrl-C included) removes them and changes nothing.
+
+    Args:
+        results_dir: the results folder; every final path is inside it.
+    """
+
+    def __init__(self, results_dir: Path) -> None:
+        self.results_dir = results_dir.resolve()
+        remove_stale(results_dir)
+        self.folder = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}@{_HOST}-", dir=self.results_dir))
+        self._files: dict[Path, Path] = {}  # final path -> staged path
+
+    def _staged(self, final: Path) -> Path:
+        relative = final.resolve().relative_to(self.results_dir)
+        staged = self.folder / relative
+        staged.parent.mkdir(parents=True, exist_ok=True)
+        self._files[final] = staged
+        return staged
+
+    def text(self, final: Path, text: str) -> Path:
+        """Stage ``text`` for ``final``; return ``final``."""
+        self._staged(final).write_text(text)
+        return final
+
+    def figure(self, final: Path, fig: Figure, dpi: int = 120) -> Path:
+        """Stage ``fig`` as a PNG for ``final``; return ``final``."""
+        fig.savefig(self._staged(final), dpi=dpi)
+        return final
+
+    def publish(self) -> list[Path]:
+        """Move every staged file to its final path with SIGINT and SIGTERM blocked (delivered
+        once all are in place); return the final paths."""
+        with _signals_held():
+            for final, staged in self._files.items():
+                final.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(staged, final)
+        shutil.rmtree(self.folder, ignore_errors=True)
+        return list(self._files)
+
+    def discard(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+        self._files.clear()
+
+    def __enter__(self) -> Staging:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        if kind is None:
+            self.publish()
+        else:
+            self.discard()
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Block SIGINT and SIGTERM (main thread, POSIX); pending ones arrive on leaving."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def remove_stale(results_dir: Path) -> None:
+    """Remove this machine's staging folders whose process is gone (killed while writing a
+    report); another machine's are its own to clean."""
+    for folder in results_dir.glob(f"{_PREFIX}*"):
+        pid, _, rest = folder.name.removeprefix(_PREFIX).partition("@")
+        if rest.rpartition("-")[0] == _HOST and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
