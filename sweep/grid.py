@@ -28,12 +28,10 @@ from experiments.config import RunConfig, TrainConfig
 from experiments.corpus import recipe_hash
 from experiments.names import ProbeColumn
 from experiments.strict import ConfigError, from_dict, identity_dict, to_dict
-from sweep.gridfile import GridError, deep_merge, inherit, read_yaml
+from sweep.evalspec import EvalConfig
+from sweep.gridfile import NAME, GridError, deep_merge, inherit, read_yaml
 
 _ROW_ID = re.compile(r"^[a-z0-9_]+$")
-#: A grid or scale name: it becomes a file name (``results/<grid>_<scale>.md``), an MLflow
-#: experiment name and part of MLflow / Optuna filter strings, so nothing a path or a query reads.
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _ROW_PATH = re.compile(r"^rows\[(\d+)\](?:\.(.*))?$")
 
 
@@ -83,48 +81,6 @@ class Row:
 
 
 @dataclass(frozen=True)
-class EvalConfig:
-    """The grid's ``eval:`` section: lm-eval tasks run on each finished run's ``final.ckpt``.
-
-    ``tasks``: names of the offline suite (``sweep.eval.suite``: ``offline_mmlu_dev``,
-    ``offline_humaneval``; ``offline_wikihow`` and ``offline_mathqa`` download BIG-bench) or any
-    lm-eval task name (those need the hub). ``scales``: where ``make sweep`` scores by itself
-    (default every scale; ``make eval`` scores at any). ``num_fewshot``: per task (default 0).
-    ``limit``: documents per task (None: all). ``batch_size`` and ``max_gen_toks`` go to the model
-    wrapper.
-    """
-
-    tasks: tuple[str, ...] = ()
-    scales: tuple[str, ...] | None = None
-    num_fewshot: dict[str, int] = field(default_factory=dict)
-    limit: int | None = None
-    batch_size: int = 32
-    max_gen_toks: int = 64
-
-    def __post_init__(self) -> None:
-        if not all(map(_NAME.match, self.tasks)) or len(set(self.tasks)) < len(self.tasks):
-            raise ConfigError(
-                "tasks", f"must be a list of distinct task names ([A-Za-z0-9_.-]); got {list(self.tasks)}"
-            )
-        for task, shots in self.num_fewshot.items():
-            if task not in self.tasks or shots < 0:
-                raise ConfigError(
-                    f"num_fewshot.{task}", f"must map a listed task to a count >= 0; got {shots}"
-                )
-        for name in ("limit", "batch_size", "max_gen_toks"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(name, f"must be an integer >= 1; got {value}")
-
-    def fewshot(self, task: str) -> int:
-        return self.num_fewshot.get(task, 0)
-
-    def scored_by_sweep(self, scale: str) -> bool:
-        """Whether ``make sweep`` at ``scale`` scores the finished runs by itself."""
-        return bool(self.tasks) and (self.scales is None or scale in self.scales)
-
-
-@dataclass(frozen=True)
 class GridSpec:
     """A grid file's top level, as written (``inherit`` already applied)."""
 
@@ -154,14 +110,14 @@ class GridSpec:
     inherit: str | None = None
 
     def __post_init__(self) -> None:
-        if not _NAME.match(self.name):
+        if not NAME.match(self.name):
             raise ConfigError(
                 "name", f"must be letters, digits, '_', '.', '-' (a file name), got {self.name!r}"
             )
         if not self.scales:
             raise ConfigError("scales", "defines no scale")
         for scale in self.scales:
-            if not _NAME.match(scale):
+            if not NAME.match(scale):
                 raise ConfigError(
                     f"scales.{scale}", "a scale name must be letters, digits, '_', '.', '-' (a file name)"
                 )

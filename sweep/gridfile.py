@@ -13,6 +13,10 @@ from typing import Any
 import yaml
 
 _RELATIVE = re.compile(r"^x(\d+(?:\.\d+)?|\d+/[1-9]\d*)$")
+#: A grid, scale or benchmark task name: it becomes a file name (``results/<grid>_<scale>.md``),
+#: an MLflow experiment or metric name and part of MLflow / Optuna filter strings, so nothing a
+#: path, a URL or a query would read as syntax.
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 class GridError(ValueError):
