@@ -28,7 +28,7 @@ PYTHON ?= python3
 VENV := .venv
 PY   := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-ARGS := --grid $(GRID) --scale $(SCALE) $(if $(SEEDS),--seeds $(SEEDS)) $(if $(ROWS),--rows $(ROWS)) $(if $(FORCE),--force)
+ARGS := --grid '$(GRID)' --scale '$(SCALE)' $(if $(SEEDS),--seeds '$(SEEDS)') $(if $(ROWS),--rows '$(ROWS)') $(if $(FORCE),--force)
 
 .PHONY: setup sweep eval tables init-table params tune stability dashboard throughput bench bench-moe gpu-check ui test lint clean
 setup: $(STAMP)
@@ -63,8 +63,8 @@ tune: $(STAMP)
 # trains only missing rungs); then results/<grid>_lr_ladder.{md,csv} and figures/<grid>_lr_ladder.png.
 # GRID given on the command line replaces grids/stability.yaml (docs/lr-search.md).
 stability: $(STAMP)
-	$(PY) -m sweep.cli stability --grid $(if $(filter command line,$(origin GRID)),$(GRID),grids/stability.yaml) \
-		--scale $(SCALE) $(if $(ROWS),--rows $(ROWS)) $(if $(LADDER),--ladder $(LADDER)) \
+	$(PY) -m sweep.cli stability --grid '$(if $(filter command line,$(origin GRID)),$(GRID),grids/stability.yaml)' \
+		--scale '$(SCALE)' $(if $(ROWS),--rows '$(ROWS)') $(if $(LADDER),--ladder $(LADDER)) \
 		$(if $(STORAGE),--storage '$(STORAGE)')
 
 dashboard: $(STAMP)
@@ -73,7 +73,7 @@ dashboard: $(STAMP)
 # training speed in one process: tokens/s of each row (and a MoE row's dense twin), the harness
 # against a bare loop, one step's breakdown (sweep/throughput/)
 throughput: $(STAMP)
-	$(PY) -m sweep.throughput --grid $(GRID) --scale $(SCALE) $(if $(ROWS),--rows $(ROWS))
+	$(PY) -m sweep.throughput --grid '$(GRID)' --scale '$(SCALE)' $(if $(ROWS),--rows '$(ROWS)')
 
 # the names of one release ago
 bench bench-moe: throughput

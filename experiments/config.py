@@ -357,6 +357,8 @@ class RunConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.seed < 2**32:  # what NumPy and Lightning's seed_everything accept
+            raise ConfigError("seed", f"must be in [0, 2^32), got {self.seed}")
         if self.model.max_seq_len < self.train.seq_len:
             raise ConfigError(
                 "model.max_seq_len",

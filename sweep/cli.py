@@ -1,7 +1,8 @@
 """The one entry point the Makefile calls: ``python -m sweep.cli {sweep,tables,params,tune,stability} ...``.
 
-Exit status: 0 on success, 1 when a cell failed, 2 on bad input (grid, store, results folder,
-corpus) with a one-line message and nothing started.
+Exit status: 0 on success, 1 when a cell failed or the machine failed (a full disk: one line),
+2 on bad input (grid, store, results folder, corpus) with a one-line message and nothing
+started, 130 / 143 after Ctrl-C / SIGTERM.
 """
 
 from __future__ import annotations
@@ -120,10 +121,11 @@ def main(argv: list[str] | None = None) -> int:
         grid = load_grid(args.grid)
         cells = grid.cells(args.scale, seeds=seeds, rows=rows)
         if args.command == "params":
+            from sweep.report.display import markdown_table
             from sweep.report.params import params_table
 
             print(f"{grid.title} - parameters at scale '{args.scale}' (counted from the configs)")
-            print(params_table(grid, args.scale, rows).to_markdown(index=False, disable_numparse=True))
+            print(markdown_table(params_table(grid, args.scale, rows)))
             return 0
         if args.command in ("sweep", "worker", "tune", "stability"):
             from sweep.run.runner import check_runnable
@@ -199,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     except CorpusError as err:
         print(f"error: {args.grid}: data.sources: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # the machine, not the input: a full disk, a folder gone (cells record their own)
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"error: {args.command}: {where}{err.strerror or err}", file=sys.stderr)
+        return 1
     except (GridError, TrackingError, UsageError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

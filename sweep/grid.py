@@ -16,6 +16,7 @@ key path.
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import re
@@ -282,6 +283,14 @@ def paper_csv(name: str) -> Path:
     return Path(str(resources.files("sweep").joinpath("paper", f"{name}.csv")))
 
 
+def paper_rows(name: str) -> set[int] | None:
+    """The row numbers of the paper table ``sweep/paper/<name>.csv``; None if it has no ``row``
+    column."""
+    with paper_csv(name).open() as f:
+        reader = csv.DictReader(f)
+        return {int(r["row"]) for r in reader} if "row" in (reader.fieldnames or ()) else None
+
+
 def load_grid(file: str | Path) -> Grid:
     """Parse and check a grid file (schema, row references, every cell of every scale).
 
@@ -328,6 +337,12 @@ def load_grid(file: str | Path) -> Grid:
     for row in spec.rows:
         if row.compare_to is not None and row.compare_to not in ids:
             raise GridError(file, f"names no row of the grid: '{row.compare_to}'", row.id, "compare_to")
+        table = row.paper_table or spec.paper_table
+        known_rows = paper_rows(table) if row.paper_row is not None and table is not None else None
+        if known_rows is not None and row.paper_row not in known_rows:
+            raise GridError(
+                file, f"{row.paper_row} is not a row of sweep/paper/{table}.csv", row.id, "paper_row"
+            )
     grid = Grid(
         file=file,
         name=spec.name,

@@ -46,8 +46,23 @@ def _where(mark: yaml.Mark) -> str:
     return f"line {mark.line + 1} column {mark.column + 1}"
 
 
-def _reject_duplicate_keys(file: Path, node: yaml.Node, path: str, row: str | None) -> None:
-    """Walk the composed YAML tree; PyYAML would silently keep the last of two equal keys."""
+#: Values a grid may hold once its aliases (``*name``) are expanded: a real grid has a few
+#: hundred; nested aliases ("billion laughs") would otherwise hang the loader.
+MAX_VALUES = 100_000
+
+
+def _reject_duplicate_keys(
+    file: Path, node: yaml.Node, path: str, row: str | None, budget: list[int] | None = None
+) -> None:
+    """Walk the composed YAML tree; PyYAML would silently keep the last of two equal keys.
+
+    Raises:
+        GridError: a duplicate or non-scalar key, or more than :data:`MAX_VALUES` values.
+    """
+    budget = [MAX_VALUES] if budget is None else budget
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise GridError(file, f"holds more than {MAX_VALUES:,} values once its aliases are expanded")
     if isinstance(node, yaml.MappingNode):
         seen: dict[Any, yaml.Mark] = {}
         for key_node, value_node in node.value:
@@ -68,14 +83,14 @@ def _reject_duplicate_keys(file: Path, node: yaml.Node, path: str, row: str | No
                     key_path,
                 )
             seen[key] = key_node.start_mark
-            _reject_duplicate_keys(file, value_node, key_path, row)
+            _reject_duplicate_keys(file, value_node, key_path, row, budget)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
             item_row = row
             if path == "rows" and isinstance(item, yaml.MappingNode):
                 ids = [v.value for k, v in item.value if k.value == "id" and isinstance(v, yaml.ScalarNode)]
                 item_row = ids[0] if ids else f"rows[{i}]"
-            _reject_duplicate_keys(file, item, "" if item_row != row else f"{path}[{i}]", item_row)
+            _reject_duplicate_keys(file, item, "" if item_row != row else f"{path}[{i}]", item_row, budget)
 
 
 def read_yaml(file: Path) -> Any:
@@ -85,9 +100,12 @@ def read_yaml(file: Path) -> Any:
         GridError: unreadable file, malformed YAML (with its line), or a duplicate key.
     """
     try:
-        text = file.read_text()
+        text = file.read_text(encoding="utf-8")
     except OSError as err:
         raise GridError(file, f"cannot read: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        bad = err.object[err.start]
+        raise GridError(file, f"is not UTF-8 text (byte {err.start} is {bad:#04x})") from None
     loader = _GridLoader(text)
     try:
         node = loader.get_single_node()

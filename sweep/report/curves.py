@@ -17,6 +17,7 @@ from matplotlib.figure import Figure
 from experiments import names as N
 from experiments.names import Status
 from sweep.grid import Grid, table_number
+from sweep.report.display import markdown_table
 
 STABLE_HALF = 0.5  # the rank-vs-baseline column reads the validations of the last half
 STABLE_RANKS = 1 / 3  # the ranking check reads the last third
@@ -112,7 +113,7 @@ def curves_markdown(grid: Grid, scale: str, mean: pd.DataFrame, command: str) ->
     return (
         f"# {grid.title}: validation Avg PPL over training\n\n"
         f"Scale `{scale}`, mean over seeds, written by `{command}`.\n\n"
-        + shown.to_markdown(index=False, disable_numparse=True)
+        + markdown_table(shown)
         + f"\n\nRanking of rows {names} over the last third of training: **{verdict}**. "
         '"vs reference, last half": better / worse when the row\'s mean curve stayed below / above '
         "its reference's at every validation of the last half; otherwise the steps where it crossed.\n"

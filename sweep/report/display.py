@@ -180,4 +180,12 @@ def markdown(grid: Grid, scale: str, table: pd.DataFrame, shown: pd.DataFrame, c
         )
         + "— means no finished run (or not applicable), never zero.\n"
     )
-    return header + shown.to_markdown(index=False, disable_numparse=True) + notes
+    return header + markdown_table(shown) + notes
+
+
+def markdown_table(shown: pd.DataFrame) -> str:
+    """``shown`` as a Markdown table, its values as written (no number parsing), every text cell
+    safe inside a row: ``|`` escaped, line breaks as spaces (a label ``"a | b"`` would
+    otherwise add a column)."""
+    safe = shown.map(lambda v: " ".join(v.replace("|", "\\|").split()) if isinstance(v, str) else v)
+    return safe.to_markdown(index=False, disable_numparse=True)

@@ -19,6 +19,7 @@ from experiments import names as N
 from experiments.config import PAPER_WIDTH, GateConfig, ModelConfig
 from experiments.init_stats import init_statistics
 from experiments.model import GatedLM
+from sweep.report.display import markdown_table
 
 #: (scale, d_model, query heads, KV heads, head_dim) of Table 1 (grids/table1.yaml)
 WIDTHS = (("tiny", 128, 16, 2, 16), ("paper", 2048, 32, 4, 128))
@@ -84,7 +85,7 @@ def markdown(table: pd.DataFrame, command: str) -> str:
         "# The gate at initialisation, by width and init\n\n"
         f"Written by `{command}`: one layer of Table 1's attention shape at each width, "
         f"{SEQS} x {SEQ_LEN} random tokens, seed 0.\n\n"
-        + shown.to_markdown(index=False, disable_numparse=True)
+        + markdown_table(shown)
         + "\n\nGate logit std: std of XW (X the pre-normed input). Branch scale: RMS of the attention "
         "output with the gate over its RMS with the gate bypassed (same input). Width-aware: linear "
         f"weights at 0.02 sqrt({PAPER_WIDTH} / d), embeddings at 0.02.\n"

@@ -15,6 +15,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 from experiments import names as N
 from experiments.names import Status, TrialOutcome
 from sweep.grid import Grid, Row
+from sweep.report.display import markdown_table
 from sweep.report.publish import Staging
 from sweep.report.runs import finished_runs
 from sweep.studies import trial_table
@@ -102,7 +103,7 @@ def write_lr_report(
     )
     figure = results_dir / "figures" / f"{grid.name}_lr_sensitivity{suffix}.png"
     with Staging(results_dir) as staging:  # all three files or none
-        staging.text(md, header + shown.to_markdown(index=False, disable_numparse=True) + "\n")
+        staging.text(md, header + markdown_table(shown) + "\n")
         staging.text(csv, table.to_csv(index=False, float_format="%.6g"))
         staging.figure(figure, lr_figure(grid, studies))
     return [md, csv, figure]

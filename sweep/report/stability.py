@@ -30,6 +30,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from experiments.names import TrialOutcome
 from sweep.grid import Grid
+from sweep.report.display import markdown_table
 from sweep.report.publish import Staging
 from sweep.studies import trial_table
 
@@ -197,7 +198,7 @@ def ladder_markdown(table: pd.DataFrame, ladder: Sequence[float], found: Sequenc
             "LR sensitivity (nats)": table[SENSITIVITY].map(lambda v: "—" if math.isnan(v) else f"{v:.3f}"),
         }
     )
-    return shown.to_markdown(index=False, disable_numparse=True) + "\n\n" + "".join(f"- {v}\n" for v in found)
+    return markdown_table(shown) + "\n\n" + "".join(f"- {v}\n" for v in found)
 
 
 def write_ladder_report(
