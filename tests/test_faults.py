@@ -109,6 +109,59 @@ def test_a_non_finite_number_is_refused_where_it_is_set(value: str, tmp_path: Pa
         load_grid(grid).cells("tiny")
 
 
+def test_nested_aliases_cannot_hang_the_loader(tmp_path: Path) -> None:
+    """ "Billion laughs": ten levels of nine aliases each would be 9^10 values to walk."""
+    lines, previous = ['a: &a ["x", "x", "x", "x", "x", "x", "x", "x", "x"]'], "a"
+    for name in "bcdefghijk":
+        lines.append(f"{name}: &{name} [{', '.join(['*' + previous] * 9)}]")
+        previous = name
+    grid = tmp_path / "g.yaml"
+    grid.write_text("\n".join(lines) + "\n")
+    with pytest.raises(GridError, match="holds more than 100,000 values once its aliases are expanded"):
+        load_grid(grid)
+
+
+def test_a_grid_that_is_not_utf8_is_one_line(tmp_path: Path) -> None:
+    grid = tmp_path / "g.yaml"
+    grid.write_bytes(MICRO.encode().replace(b"name: micro", b"name: mi\xffcro"))
+    with pytest.raises(GridError, match=r"g\.yaml: is not UTF-8 text \(byte 8 is 0xff\)$"):
+        load_grid(grid)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("paper_row: 99", r"row 'baseline': paper_row: 99 is not a row of sweep/paper/table1_moe\.csv"),
+        ("paper_row: 0", r"row 'baseline': paper_row: 0 is not a row"),
+    ],
+)
+def test_row_values_a_table_could_not_use_are_refused(override: str, message: str, tmp_path: Path) -> None:
+    grid = tmp_path / "g.yaml"
+    grid.write_text(
+        MICRO.replace('{id: baseline, label: "Baseline", paper_row: 1}', f"{{id: baseline, {override}}}")
+    )
+    with pytest.raises(GridError, match=message):
+        load_grid(grid).cells("tiny")
+
+
+def test_a_seed_outside_what_numpy_accepts_is_refused(tmp_path: Path) -> None:
+    grid = tmp_path / "g.yaml"
+    grid.write_text(MICRO.replace("name: micro", "name: micro\nseeds: [0, 4294967296]"))
+    with pytest.raises(GridError, match=r"seed: must be in \[0, 2\^32\), got 4294967296"):
+        load_grid(grid)
+
+
+def test_a_label_with_a_pipe_or_a_line_break_keeps_the_markdown_table_whole() -> None:
+    import pandas as pd
+
+    from sweep.report.display import markdown_table
+
+    text = markdown_table(pd.DataFrame({"Method": ["a | b", "two\nlines"], "PPL": ["1.0", "2.0"]}))
+    header, rule, *rows = text.splitlines()
+    assert rows[0].startswith("| a \\| b ") and rows[1].startswith("| two lines ")
+    assert all(row.count(" | ") == header.count(" | ") for row in rows)
+
+
 # --- 3. a report interrupted while it is written; a checkpoint that does not fit ------------------
 
 
