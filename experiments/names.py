@@ -157,17 +157,25 @@ class Status:
 class Outcome:
     """What happened to one cell in one sweep (the summary line, the queue's trial attribute)."""
 
-    FINISHED = Status.FINISHED  # trained to the end from step 0
-    RESUMED = "resumed"  # trained to the end from a checkpoint of an earlier attempt
-    SKIPPED = "skipped"  # had a result already, or another process was training it
+    FINISHED = Status.FINISHED  # trained to the end from step 0, in its first run
+    RESUMED = "resumed"  # trained to the end from a checkpoint of an earlier attempt, in its run
+    RESTARTED = "restarted"  # trained to the end from step 0 in a new run: the earlier attempt left
+    # no usable checkpoint (it died before its first, a write failed, the folder was deleted)
+    SKIPPED = "skipped"  # had a result already
+    BUSY = "busy"  # another live process is training it (left alone; a queue retries it later)
     DIVERGED = Status.DIVERGED
     FAILED = Status.FAILED
-    KILLED = Status.KILLED
+    KILLED = Status.KILLED  # a signal stopped it mid-training; its state is saved
+    NOT_STARTED = "not started"  # a signal stopped the sweep before the cell began
     DUPLICATE = "duplicate"  # a queue trial that deferred to an older trial of the same cell
-    #: The summary line's order; ``killed`` shows only when some cell was.
-    SUMMARY = (FINISHED, RESUMED, SKIPPED, DIVERGED, FAILED, KILLED)
-    #: Outcomes whose queue trial ends COMPLETE; failed and killed end FAIL.
-    RESULTS = (FINISHED, RESUMED, SKIPPED, DIVERGED, DUPLICATE)
+    #: The summary line's order.
+    SUMMARY = (FINISHED, RESUMED, RESTARTED, SKIPPED, BUSY, DIVERGED, FAILED, KILLED, NOT_STARTED)
+    #: Shown in the summary line only when some cell had them.
+    SUMMARY_IF_ANY = (RESTARTED, BUSY, KILLED, NOT_STARTED)
+    #: Outcomes whose queue trial ends COMPLETE; the others end FAIL.
+    RESULTS = (FINISHED, RESUMED, RESTARTED, SKIPPED, DIVERGED, DUPLICATE)
+    #: Outcomes whose cell goes straight back into the queue (a copy of its trial, WAITING).
+    REQUEUED = (KILLED, NOT_STARTED, BUSY)
 
 
 class TrialOutcome:

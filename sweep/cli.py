@@ -1,8 +1,9 @@
 """The one entry point the Makefile calls: ``python -m sweep.cli {sweep,tables,params,tune,stability} ...``.
 
-Exit status: 0 on success, 1 when a cell failed or the machine failed (a full disk: one line),
-2 on bad input (grid, store, results folder, corpus) with a one-line message and nothing
-started, 130 / 143 after Ctrl-C / SIGTERM.
+Exit status: 0 on success; 1 when a cell failed or the machine did (a full disk: one line); 2 on
+bad input (grid, store, results folder, corpus) with a one-line message and nothing started, and
+2 with one line when the tracking store is gone or fails mid-sweep (what was recorded before
+stays); 130 / 143 after Ctrl-C / SIGTERM.
 """
 
 from __future__ import annotations
@@ -168,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
                         args.force, cache, stop,
                     )  # fmt: skip
                 else:
-                    outcomes = run_sweep(grid, cells, results, force=args.force, cache_root=cache, stop=stop)
+                    outcomes = run_sweep(
+                        grid, cells, results, args.force, cache, stop=stop, heartbeat_s=args.heartbeat
+                    )
             except (KeyboardInterrupt, SystemExit):  # Ctrl-C before training, or twice
                 if stop.signum is None:
                     raise
@@ -184,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         paths = write_tables(grid, args.scale, results, _command_line(), seeds)
         print(f"sweep finished in {minutes:.1f} min: {summary_line(outcomes)}")
         for o in outcomes:
-            if o.status in (Outcome.FAILED, Outcome.KILLED):
+            if o.status in (Outcome.FAILED, Outcome.KILLED, Outcome.BUSY):
                 print(f"  {o.status}: {o.cell.row.id} seed {o.cell.seed}: {o.note}")
         print(f"table: {paths['md']} (also .csv, .tex); browse the runs with: make ui")
         figures = [str(p) for k, p in paths.items() if k not in ("md", "csv", "tex")]

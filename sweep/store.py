@@ -13,7 +13,7 @@ import contextlib
 import os
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ import yaml
 from experiments.config import to_dict
 from experiments.names import Kind, Status
 from sweep.grid import Cell
+from sweep.sqlite_lock import creation_lock, sqlite_file
 
 _MLFLOW_END = {Status.FINISHED: "FINISHED", Status.DIVERGED: "FINISHED", Status.KILLED: "KILLED"}
 
@@ -149,6 +150,15 @@ def check_reachable(uri: str, timeout_s: float = 10.0) -> None:
             raise TrackingError(f"tracking store {uri} is not usable: folder {folder} does not exist")
 
 
+def _file_id(path: Path) -> tuple[int, int] | None:
+    """The (device, inode) of ``path``, or None when there is no such file."""
+    try:
+        found = path.stat()
+    except FileNotFoundError:
+        return None
+    return found.st_dev, found.st_ino
+
+
 def runtime_tags() -> dict[str, str]:
     """What computed a run: the device, torch's intra-op threads and the library versions."""
     import lightning
@@ -166,23 +176,39 @@ def runtime_tags() -> dict[str, str]:
 class Tracker:
     """Thin wrapper over ``MlflowClient`` for one experiment.
 
+    A new SQLite store is set up under an inter-process lock (:mod:`sweep.sqlite_lock`): two
+    sweeps started at once on a new results folder both get it whole. An experiment deleted in
+    the MLflow UI (its lifecycle stage ``deleted``, until ``mlflow gc``) is restored with its
+    runs, and a line says so: deleting it in the UI to tidy up must not cost its results. A run
+    deleted on its own is another matter: its cell counts as never trained (see :meth:`runs_for`).
+
     Args:
         uri: tracking URI (see :func:`tracking_uri`).
         experiment: experiment name; created if missing (by the sweep driver, before any worker).
         artifact_root: where a new experiment stores artifacts when the store is local SQLite.
+        out: where the line about a restored experiment goes.
 
     Raises:
-        TrackingError: the store is unreachable or rejects the experiment.
+        TrackingError: the store is unreachable or rejects the experiment, or the experiment was
+            deleted and cannot be restored (the line says how to remove it for good).
     """
 
-    def __init__(self, uri: str, experiment: str, artifact_root: Path | None = None) -> None:
+    def __init__(
+        self,
+        uri: str,
+        experiment: str,
+        artifact_root: Path | None = None,
+        out: Callable[[str], None] = print,
+    ) -> None:
         from mlflow import MlflowClient
+        from mlflow.entities import LifecycleStage
 
-        self.uri = uri
+        self.uri, self.experiment, self.out = uri, experiment, out
         check_reachable(uri)
         try:
-            self.client = MlflowClient(tracking_uri=uri)
-            found = self.client.get_experiment_by_name(experiment)
+            with creation_lock(uri):  # MLflow creates or migrates the schema on first use
+                self.client = MlflowClient(tracking_uri=uri)
+                found = self.client.get_experiment_by_name(experiment)
             if found is None:
                 location = None
                 if uri.startswith("sqlite:") and artifact_root is not None:
@@ -197,7 +223,69 @@ class Tracker:
                 self.experiment_id = found.experiment_id
         except Exception as err:  # MLflow raises many types for an unreachable store
             raise TrackingError(f"tracking store {uri} is not usable: {_first_line(err)}") from None
-        self.experiment = experiment
+        self._db = sqlite_file(uri)
+        self._db_id = _file_id(self._db) if self._db else None
+        if found is not None and found.lifecycle_stage == LifecycleStage.DELETED:
+            self._restore()
+
+    def check_store(self) -> None:
+        """Fail on a SQLite store whose file was deleted (or replaced) since this tracker opened
+        it: SQLite goes on reading the deleted file, and every write fails.
+
+        Raises:
+            TrackingError: one line, with what to do.
+        """
+        if self._db_id is not None and _file_id(self._db) != self._db_id:
+            raise TrackingError(
+                f"tracking store {self.uri} is gone: {self._db} was deleted or replaced while this "
+                "process used it; run the same command again to train into a new store"
+            )
+
+    def ensure_active(self) -> None:
+        """Check the store is still there (:meth:`check_store`) and restore the experiment if it
+        was deleted in the MLflow UI since this tracker opened it (a sweep calls this before each
+        cell).
+
+        Raises:
+            TrackingError: the store is gone, or the experiment cannot be restored.
+        """
+        from mlflow.entities import LifecycleStage
+
+        self.check_store()
+        if self.client.get_experiment(self.experiment_id).lifecycle_stage == LifecycleStage.DELETED:
+            self._restore()
+
+    def _restore(self) -> None:
+        """Bring the deleted experiment back with its runs (MLflow restores them all), one line.
+
+        Raises:
+            TrackingError: MLflow refused; the line says how to remove it for good instead.
+        """
+        try:
+            self.client.restore_experiment(self.experiment_id)
+            runs = self.client.search_runs(
+                [self.experiment_id], f"tags.kind = '{Kind.CELL}'", max_results=50000
+            )
+        except Exception as err:
+            raise TrackingError(
+                f"experiment {self.experiment} (id {self.experiment_id}) was deleted in the MLflow UI and "
+                f"cannot be restored ({_first_line(err)}); restore it in the UI, or remove it for good "
+                f"with: mlflow gc --backend-store-uri '{self.uri}' --experiment-ids {self.experiment_id}"
+            ) from None
+        count = f"{len(runs)} cell run{'' if len(runs) == 1 else 's'}"
+        self.out(
+            f"experiment {self.experiment} was deleted in the MLflow UI; restored it with its {count} "
+            f"(to discard them for good: delete it again, then mlflow gc --backend-store-uri '{self.uri}')"
+        )
+
+    def is_deleted(self, run_id: str) -> bool:
+        """Whether ``run_id`` was deleted (in the UI, say) or is gone from the store."""
+        from mlflow.entities import LifecycleStage
+
+        try:
+            return self.client.get_run(run_id).info.lifecycle_stage == LifecycleStage.DELETED
+        except Exception:  # no such run any more
+            return True
 
     def experiment_ids(self) -> list[str]:
         """Every live experiment of the store (cells are looked up across all of them)."""

@@ -17,6 +17,7 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy import event
 
 from experiments.names import TrialOutcome
+from sweep.sqlite_lock import creation_lock
 from sweep.store import sqlite_url
 
 HEARTBEAT_S = 30
@@ -41,19 +42,27 @@ def make_storage(url: str, heartbeat_s: int | None = None, max_retry: int = 1) -
     On SQLite every transaction starts with ``BEGIN IMMEDIATE``: Python's driver otherwise
     begins one only at the first write, so two processes could both read a trial as WAITING and
     both take it. With the write lock taken first, Optuna's check-and-set is atomic here too, as
-    it is on PostgreSQL (``SELECT ... FOR UPDATE``).
+    it is on PostgreSQL (``SELECT ... FOR UPDATE``). A new SQLite file gets its schema under an
+    inter-process lock (:func:`sweep.sqlite_lock.creation_lock`): Optuna's set-up is not safe to
+    race either.
+
+    Raises:
+        sweep.sqlite_lock.LockTimeout: another process held the set-up lock for minutes.
     """
     heartbeat_s = heartbeat_s or HEARTBEAT_S
     sqlite = url.startswith("sqlite")
     engine = {"connect_args": {"timeout": 300, "isolation_level": None}} if sqlite else None
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-    storage = optuna.storages.RDBStorage(
-        url,
-        engine_kwargs=engine,
-        heartbeat_interval=heartbeat_s,
-        grace_period=3 * heartbeat_s,
-        heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=max_retry),
-    )
+    with creation_lock(url):  # RDBStorage creates the tables and stamps the schema version
+        storage = optuna.storages.RDBStorage(
+            url,
+            engine_kwargs=engine,
+            heartbeat_interval=heartbeat_s,
+            grace_period=3 * heartbeat_s,
+            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
+                max_retry=max_retry
+            ),
+        )
     if sqlite:
         event.listen(storage.engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
     return storage

@@ -209,18 +209,73 @@ def test_a_running_run_of_a_live_process_on_this_host_is_left_alone() -> None:
     import sys
     from types import SimpleNamespace
 
+    import psutil
+
     from sweep.run.resume import live_owner
 
-    def run(status: str, pid: int) -> SimpleNamespace:
+    def run(status: str, pid: int, started: float | None = None) -> SimpleNamespace:
         tags = {"status": status, "worker": f"{socket.gethostname()}:{pid}"}
-        return SimpleNamespace(data=SimpleNamespace(tags=tags))
+        if started is not None:
+            tags["worker_started"] = f"{started:.2f}"
+        return SimpleNamespace(data=SimpleNamespace(tags=tags), info=SimpleNamespace(start_time=0))
 
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    born = psutil.Process(proc.pid).create_time()
+    owner = f"{socket.gethostname()}:{proc.pid}"
     try:
-        assert live_owner(run("running", proc.pid)) == f"{socket.gethostname()}:{proc.pid}"
-        assert live_owner(run("killed", proc.pid)) is None  # not running: resumable
-        assert live_owner(run("running", os.getpid())) is None  # this process
+        # On this machine the process decides, not the heartbeat: none here, and it is alive.
+        assert live_owner(run("running", proc.pid, born), stale_s=90) == owner
+        assert live_owner(run("running", proc.pid), stale_s=90) == owner  # a run from before the tag
+        assert live_owner(run("running", proc.pid, born - 3600), stale_s=90) is None  # pid reused
+        assert live_owner(run("killed", proc.pid, born), stale_s=90) is None  # not running: resumable
+        assert live_owner(run("running", os.getpid()), stale_s=90) is None  # this process
     finally:
         proc.kill()
         proc.wait()
-    assert live_owner(run("running", proc.pid)) is None  # dead: resumable
+    assert live_owner(run("running", proc.pid, born), stale_s=90) is None  # dead: resumable
+
+
+def test_an_owner_on_another_machine_is_alive_while_its_heartbeat_is_fresh() -> None:
+    from types import SimpleNamespace
+
+    from sweep.run.resume import live_owner
+
+    def run(heartbeat: float | None, start_ms: int = 0) -> SimpleNamespace:
+        tags = {"status": "running", "worker": "gpu-node-7:4242"}
+        if heartbeat is not None:
+            tags["heartbeat"] = f"{heartbeat:.0f}"
+        return SimpleNamespace(data=SimpleNamespace(tags=tags), info=SimpleNamespace(start_time=start_ms))
+
+    now = 1_800_000_000.0
+    assert live_owner(run(now - 89), stale_s=90, now=now) == "gpu-node-7:4242"
+    assert live_owner(run(now - 91), stale_s=90, now=now) is None  # three heartbeats missed
+    # A run recorded before heartbeats existed counts from its start (MLflow's milliseconds).
+    assert live_owner(run(None, int((now - 10) * 1000)), stale_s=90, now=now) == "gpu-node-7:4242"
+    assert live_owner(run(None, int((now - 600) * 1000)), stale_s=90, now=now) is None
+
+
+def test_a_queued_cell_another_machine_trains_waits_in_the_queue_until_its_owner_falls_silent(
+    repo_cache: None, tmp_path: Path
+) -> None:
+    """A sequential sweep on another machine holds the cell (fresh heartbeat): the worker leaves
+    its run alone and puts the cell back, and takes it over once three heartbeats are missed."""
+    import time
+
+    q = queued(tmp_path, MICRO, "baseline")
+    owner = {"worker": "gpu-node-7:4242", "heartbeat": f"{time.time():.0f}"}
+    held = q.ctx.tracker.start_cell(q.cells[0], owner)
+    enqueue_cells(q.queue, q.cells, q.ctx, force=False)
+
+    lines: list[str] = []
+    outcomes = run_worker(q.grid, q.cells, q.results, q.url, 1, ROOT / ".cache", StopRequest(), lines.append)
+    assert [o.status for o in outcomes] == ["restarted"]
+    trials = queue_trials(q.results)
+    assert [t.user_attrs["outcome"] for t in trials][-1] == "restarted"
+    busy = [t for t in trials if t.user_attrs["outcome"] == "busy"]
+    assert busy and all(t.state == optuna.trial.TrialState.FAIL for t in busy)
+    assert all(t.user_attrs["note"] == "being trained by gpu-node-7:4242" for t in busy)
+    assert len(trials) == len(busy) + 1  # each busy trial was put back once, nothing else
+    assert any(f"run {held} (running) has no folder" in line for line in lines)
+    old, new = sorted(all_cell_runs(q.results), key=lambda r: r.info.start_time)
+    assert old.info.run_id == held and old.info.lifecycle_stage == "deleted"
+    assert new.data.tags["status"] == "finished"

@@ -27,13 +27,12 @@ many machines every machine runs the same ``make sweep`` with ``MLFLOW_TRACKING_
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +44,7 @@ from experiments.names import Outcome
 from sweep.grid import Cell, Grid
 from sweep.run.interrupt import StopRequest
 from sweep.run.progress import SweepClock
-from sweep.run.resume import worker_name
+from sweep.run.resume import Heartbeat, worker_name
 from sweep.run.runner import CellResult, SweepContext, prepare_sweep, run_cell
 from sweep.studies import make_storage
 
@@ -108,32 +107,6 @@ def enqueue_cells(queue: Queue, cells: list[Cell], ctx: SweepContext, force: boo
     return wanted
 
 
-class Heartbeat:
-    """Records the trial's heartbeat every ``interval`` seconds in a thread, while entered."""
-
-    def __init__(self, storage: optuna.storages.RDBStorage, trial_id: int, interval: float) -> None:
-        self.storage, self.trial_id, self.interval = storage, trial_id, interval
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._beat, daemon=True)
-
-    def _beat(self) -> None:
-        while True:
-            try:
-                self.storage.record_heartbeat(self.trial_id)
-            except Exception as err:  # a dropped connection must not end the heartbeat for good
-                warnings.warn(f"heartbeat of trial {self.trial_id} failed, retrying: {err}", stacklevel=1)
-            if self._done.wait(self.interval):
-                return
-
-    def __enter__(self) -> Heartbeat:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self._thread.join()
-
-
 def pop_cell(queue: Queue, known: set[str]) -> FrozenTrial | None:
     """Take one WAITING trial of a cell in ``known`` (set it RUNNING); None when there is none.
 
@@ -166,8 +139,9 @@ def record(
     queue: Queue, trial: FrozenTrial, outcome: str, note: str = "", avg_ppl: float | None = None
 ) -> bool:
     """Store the outcome (and the Avg PPL, as the trial's value) on the trial and end it:
-    COMPLETE for a result, FAIL for a failed or killed cell. A killed cell (Ctrl-C, a
-    pre-empted machine) goes straight back into the queue, for any worker still running.
+    COMPLETE for a result, FAIL otherwise. A killed cell (Ctrl-C, a pre-empted machine), one not
+    started before a signal, and one another process is training (``busy``) go straight back
+    into the queue, for any worker still running.
 
     Returns False when the trial was no longer this worker's: its heartbeat lapsed and another
     worker failed it (and took the cell over)."""
@@ -182,7 +156,7 @@ def record(
         queue.storage.set_trial_state_values(trial_id, state=state, values=values)
     except optuna.exceptions.UpdateFinishedTrialError:
         return False
-    if outcome == Outcome.KILLED:
+    if outcome in Outcome.REQUEUED:
         queue.study.enqueue_trial({}, user_attrs={k: trial.user_attrs[k] for k in CELL_ATTRS})
     return True
 
@@ -201,7 +175,7 @@ def run_worker(
     """Pop and train cells of ``cells`` until the queue has none WAITING or RUNNING, or a signal
     arrives. Returns the outcomes of the cells this worker took."""
     scale = cells[0].scale
-    ctx = prepare_sweep(grid, cells, results_dir, cache_root, stop, out)
+    ctx = prepare_sweep(grid, cells, results_dir, cache_root, stop, out, heartbeat_s)
     queue = open_queue(scale, url, heartbeat_s)
     stop.arm()
     by_key: dict[str, Cell] = {}  # the first cell of each config, as the driver enqueued it
@@ -224,16 +198,22 @@ def run_worker(
         clock.waiting = states.count(TrialState.WAITING)
         clock.parallel = max(1, states.count(TrialState.RUNNING))
         if stop.signum is not None:  # the signal came while popping: give the cell back
-            record(queue, trial, Outcome.KILLED, "not started: the worker was interrupted")
+            record(queue, trial, Outcome.NOT_STARTED, "the worker was interrupted")
             break
         twin = older_twin(queue, trial)
         if twin is not None:
             record(queue, trial, Outcome.DUPLICATE, f"trial {twin.number} has this cell")
             continue
-        with Heartbeat(queue.storage, queue.trial_id(trial), heartbeat_s):
+        beat = functools.partial(queue.storage.record_heartbeat, queue.trial_id(trial))
+        with Heartbeat(beat, heartbeat_s, f"trial {trial.number}"):
             outcome = run_cell(cell, ctx, prefix, clock, force=bool(trial.user_attrs.get("force")))
         if not record(queue, trial, outcome.status, outcome.note, outcome.avg_ppl):
             out(f"{prefix}: trial {trial.number} was taken over after its heartbeat lapsed")
+        if outcome.status == Outcome.BUSY:  # requeued: look again a heartbeat later, not at once
+            until = time.monotonic() + heartbeat_s
+            while stop.signum is None and time.monotonic() < until:
+                time.sleep(min(poll_s, heartbeat_s))
+            continue
         outcomes.append(outcome)
     return outcomes
 
@@ -308,7 +288,7 @@ def queue_outcomes(
         elif ctx.tracker.done_run(cell.run_key) is not None:
             outcomes.append(CellResult(cell, Outcome.SKIPPED, note="finished by another sweep"))
         elif ctx.stop.signum is not None:
-            outcomes.append(CellResult(cell, Outcome.KILLED, note="not started: the sweep was interrupted"))
+            outcomes.append(CellResult(cell, Outcome.NOT_STARTED, note="the sweep was interrupted"))
         else:
             note = "no worker finished it (see the workers' output)"
             outcomes.append(CellResult(cell, Outcome.FAILED, note=note))

@@ -1,5 +1,6 @@
 """Continuing a cell's MLflow run after a crash: which steps the run already holds, a logger that
-does not log a replayed step twice, and whether a ``running`` run's process is still alive.
+does not log a replayed step twice, and whether a ``running`` run's owner is still alive (the
+rule that keeps a live run from ever being taken over).
 
 The training state itself is saved and found by ``experiments.checkpointing``; a rerun restarts
 ``trainer.fit`` from the newest ``step<N>.ckpt``, in the cell's own MLflow run.
@@ -9,13 +10,27 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
+import warnings
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import psutil
 from lightning.pytorch.loggers import MLFlowLogger
 
 from experiments.names import Status
+
+#: Run tags that name a run's owner: ``host:pid``, that process's start time (unix seconds; it
+#: tells the owner apart from a later process given the same pid) and its last heartbeat (unix
+#: seconds, renewed every ``heartbeat_s`` while it trains the run).
+WORKER_TAG, STARTED_TAG, HEARTBEAT_TAG = "worker", "worker_started", "heartbeat"
+#: A heartbeat this many intervals old means the owner on another machine is dead (the queue's
+#: grace period too).
+STALE_BEATS = 3
 
 
 def worker_name() -> str:
@@ -23,22 +38,106 @@ def worker_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def live_owner(run: Any) -> str | None:
-    """The ``worker`` tag of a ``running`` run whose process is alive on this machine, else None.
-    (A process on another machine cannot be checked; the queue's heartbeats cover that case.)"""
-    owner = run.data.tags.get("worker", "")
-    host, _, pid = owner.rpartition(":")
-    if run.data.tags.get("status") != Status.RUNNING or host != socket.gethostname() or not pid.isdigit():
-        return None
-    if int(pid) == os.getpid():
-        return None
+def process_start(pid: int) -> float | None:
+    """When process ``pid`` of this machine started (unix seconds), or None if there is none.
+    A process whose start time cannot be read (another user's, say) counts as started at 0."""
     try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
         return None
-    except PermissionError:  # alive, another user's
+    except psutil.Error:
+        return 0.0
+
+
+def owner_tags() -> dict[str, str]:
+    """The tags that make this process a run's owner: ``worker``, ``worker_started`` and a first
+    ``heartbeat``."""
+    return {
+        WORKER_TAG: worker_name(),
+        STARTED_TAG: f"{process_start(os.getpid()):.2f}",
+        HEARTBEAT_TAG: f"{time.time():.0f}",
+    }
+
+
+def live_owner(run: Any, stale_s: float, now: float | None = None) -> str | None:
+    """The owner (``host:pid``) of a ``running`` run while it provably trains it, else None: only
+    then may another process take the run over (resume it, or delete it to start over).
+
+    - **On this machine** the owner is alive while process ``pid`` exists and started when the
+      run's ``worker_started`` tag says (a reused pid belongs to another process). Exact: a dead
+      owner is taken over at once, a live one never, however slow its first checkpoint.
+    - **On another machine** it is alive while its ``heartbeat`` tag (renewed every
+      ``stale_s / 3`` seconds by the owner, see :class:`Heartbeat`) is younger than ``stale_s``
+      by this machine's clock; a run recorded before heartbeats existed counts from its start.
+    - A run that is not ``running`` (failed, killed) has no owner, and neither has a run this very
+      process owned (it is not training it now).
+
+    Args:
+        run: an MLflow run (its ``data.tags`` and ``info.start_time`` are read).
+        stale_s: seconds after which a silent owner on another machine is dead.
+        now: the current unix time (default: the clock).
+    """
+    tags = run.data.tags
+    owner = tags.get(WORKER_TAG, "")
+    host, _, pid = owner.rpartition(":")
+    if tags.get("status") != Status.RUNNING or not pid.isdigit() or owner == worker_name():
+        return None
+    if host == socket.gethostname():
+        started = process_start(int(pid))
+        if started is None:
+            return None
+        recorded = tags.get(STARTED_TAG)
+        if recorded and started and abs(started - float(recorded)) > 1.0:
+            return None  # the pid now names another process
         return owner
-    return owner
+    beat = float(tags.get(HEARTBEAT_TAG, (run.info.start_time or 0) / 1000))
+    return owner if (time.time() if now is None else now) - beat < stale_s else None
+
+
+class Heartbeat:
+    """Calls ``beat`` now and then every ``interval`` seconds in a thread, while entered: a run's
+    owner renews its ``heartbeat`` tag this way, a queue worker its trial's heartbeat. A beat
+    that fails warns, and the next one tries again (a dropped connection must not end it).
+
+    Args:
+        beat: records one heartbeat.
+        interval: seconds between beats.
+        what: names the heartbeat in the warning (``trial 3``, ``run <id>``).
+    """
+
+    def __init__(self, beat: Callable[[], object], interval: float, what: str) -> None:
+        self.beat, self.interval, self.what = beat, interval, what
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True)
+
+    def _beat(self) -> None:
+        while True:
+            try:
+                self.beat()
+            except Exception as err:
+                warnings.warn(f"heartbeat of {self.what} failed, retrying: {err}", stacklevel=1)
+            if self._done.wait(self.interval):
+                return
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def usable_checkpoint(path: Path) -> str | None:
+    """Why the training checkpoint ``path`` cannot be resumed from (empty, truncated: not a whole
+    zip archive, which is what ``torch.save`` writes), or None when it looks whole. Reads the
+    archive's directory only, not the tensors."""
+    try:
+        if path.stat().st_size == 0:
+            return "an empty file"
+        return None if zipfile.is_zipfile(path) else "not a whole torch archive (truncated?)"
+    except OSError as err:
+        return err.strerror or type(err).__name__
 
 
 def logged_steps(client: Any, run_id: str) -> dict[str, int]:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from mlflow.exceptions import MlflowException
 
 from experiments import names as N
 from experiments.checkpointing import drop_step_checkpoints, latest_checkpoint
@@ -22,8 +25,18 @@ from sweep.gridfile import GridError
 from sweep.run.cell import checkpoint_dir, train_cell
 from sweep.run.interrupt import Interrupted, StopOnRequest, StopRequest
 from sweep.run.progress import ProgressPrinter, SweepClock
-from sweep.run.resume import live_owner, logged_steps, worker_name
-from sweep.store import Tracker, check_reachable, experiment_name, tracking_uri
+from sweep.run.resume import (
+    HEARTBEAT_TAG,
+    STALE_BEATS,
+    Heartbeat,
+    live_owner,
+    logged_steps,
+    owner_tags,
+    usable_checkpoint,
+)
+from sweep.sqlite_lock import claim_lock
+from sweep.store import Tracker, TrackingError, check_reachable, experiment_name, tracking_uri
+from sweep.studies import HEARTBEAT_S
 
 
 @dataclass
@@ -71,6 +84,7 @@ class SweepContext:
     cache_root: Path | None
     stop: StopRequest
     out: Callable[[str], None] = print
+    heartbeat_s: int = HEARTBEAT_S  # how often a cell's owner renews its run's heartbeat tag
 
 
 def check_runnable(grid: Grid, cells: list[Cell]) -> None:
@@ -98,8 +112,9 @@ def prepare_sweep(
     cache_root: Path | None = None,
     stop: StopRequest | None = None,
     out: Callable[[str], None] = print,
+    heartbeat_s: int = HEARTBEAT_S,
 ) -> SweepContext:
-    """Check the tracking store answers, build the corpora, then create the experiment.
+    """Check the tracking store answers, build the corpora, then create (or restore) the experiment.
 
     In that order, so that an unreachable store or a corpus that cannot be built stops the sweep
     before any run (or experiment) exists.
@@ -117,8 +132,57 @@ def prepare_sweep(
     check_reachable(uri)
     for data_cfg in {c.config.data for c in cells}:
         build_corpus(data_cfg, cache_root, log=out)
-    tracker = Tracker(uri, experiment_name(grid.name, scale), results_dir / "mlartifacts")
-    return SweepContext(grid, tracker, results_dir, cache_root, stop or StopRequest(), out)
+    tracker = Tracker(uri, experiment_name(grid.name, scale), results_dir / "mlartifacts", out)
+    return SweepContext(grid, tracker, results_dir, cache_root, stop or StopRequest(), out, heartbeat_s)
+
+
+@dataclass
+class Claim:
+    """The run a cell trains in now, and where it starts from."""
+
+    run_id: str
+    checkpoints: Path
+    resume_from: Path | None = None  # a step<N>.ckpt of an earlier attempt, in the same run
+    replayed: dict[str, int] | None = None  # metric -> highest step the run already holds
+    restarted: bool = False  # an earlier attempt left nothing to continue: a new run from step 0
+
+
+def claim_run(cell: Cell, ctx: SweepContext, unfinished: Any | None, prefix: str) -> Claim:
+    """Make this process the owner of the cell's run: ``unfinished`` (a run whose owner is dead)
+    continued from its newest usable checkpoint, or a new run.
+
+    An unfinished run with no usable checkpoint (it died before its first, a write failed, its
+    folder was deleted by hand, the file is truncated) is deleted with its folder, and the cell
+    starts over in a new run; a line says why.
+    """
+    tracker, out = ctx.tracker, ctx.out
+    if unfinished is None:
+        run_id = tracker.start_cell(cell, owner_tags())
+        return Claim(run_id, checkpoint_dir(ctx.results_dir, tracker.experiment, run_id))
+    old_id, old_status = unfinished.info.run_id, unfinished.data.tags.get("status")
+    checkpoints = checkpoint_dir(ctx.results_dir, tracker.experiment_name_of(unfinished), old_id)
+    resume_from = latest_checkpoint(checkpoints)
+    why = f"no checkpoint in {checkpoints}" if checkpoints.is_dir() else f"no folder {checkpoints}"
+    if resume_from is not None and (problem := usable_checkpoint(resume_from)):
+        why, resume_from = f"an unusable checkpoint {resume_from} ({problem})", None
+    if resume_from is None:
+        tracker.delete(old_id)  # its points belong to a trajectory nobody can continue
+        shutil.rmtree(checkpoints, ignore_errors=True)
+        run_id = tracker.start_cell(cell, owner_tags())
+        out(
+            f"{prefix} restarting from step 0 in run {run_id}: "
+            f"run {old_id} ({old_status}) has {why}; deleted it"
+        )
+        return Claim(run_id, checkpoint_dir(ctx.results_dir, tracker.experiment, run_id), restarted=True)
+    for stale in checkpoints.glob("step*.ckpt*"):
+        if stale != resume_from:
+            stale.unlink()
+    replayed = logged_steps(tracker.client, old_id)
+    for key, value in owner_tags().items():  # before the status: the run is never ownerless
+        tracker.client.set_tag(old_id, key, value)
+    tracker.reopen(old_id)
+    out(f"{prefix} resuming run {old_id} ({old_status}) from {resume_from.name}")
+    return Claim(old_id, checkpoints, resume_from, replayed)
 
 
 def run_cell(
@@ -128,49 +192,65 @@ def run_cell(
     cell's own failure.
 
     - A cell with a ``finished`` or ``diverged`` run is skipped (unless ``force``).
-    - A cell whose newest run is ``running`` (its process died), ``failed`` or ``killed``
+    - A cell whose newest run is ``running`` while its owner provably trains it (see
+      :func:`~sweep.run.resume.live_owner`: the owner's process on this machine, or a fresh
+      heartbeat from another) is left alone: outcome ``busy``, nothing of that run touched.
+    - A cell whose newest run is ``running`` (its owner died), ``failed`` or ``killed``
       continues in that run from its latest ``step<N>.ckpt``; metric points the run already
-      holds are not logged again. Without a checkpoint that run is deleted and the cell starts
-      over in a new one (its points belong to a trajectory nobody can continue).
-    - A ``running`` run whose ``worker`` tag names a live process on this machine is left alone
-      (skipped): two sweeps on one store without the queue.
+      holds are not logged again. Without a usable checkpoint the cell starts over in a new run
+      (:func:`claim_run`).
     - Otherwise a new run is created.
 
+    While it trains, the run's ``heartbeat`` tag is renewed every ``ctx.heartbeat_s`` seconds.
+    An experiment deleted in the MLflow UI is restored first (:meth:`Tracker.ensure_active`); a
+    run deleted while it trains ends the cell as failed, with a line.
+
     Returns:
-        A :class:`CellResult`: finished, resumed, skipped, diverged, failed or killed (a signal
-        stopped it; its state is saved and the next sweep resumes it).
+        A :class:`CellResult`: finished, resumed (from a checkpoint), restarted (from step 0 after
+        an attempt that left none), skipped, busy, diverged, failed or killed (a signal stopped
+        it; its state is saved and the next sweep resumes it).
 
     Raises:
         KeyboardInterrupt, SystemExit: a second Ctrl-C; the run is marked killed first.
+        TrackingError: the store is gone or failed (one line), or the experiment was deleted and
+            cannot be restored.
     """
     tracker, out = ctx.tracker, ctx.out
-    done = tracker.done_run(cell.run_key)
-    if done is not None and not force:
-        return CellResult(cell, Outcome.SKIPPED, note=f"{done.data.tags['status']} earlier")
-    unfinished = tracker.resumable_run(cell.run_key)
-    if unfinished is not None and (owner := live_owner(unfinished)):
-        return CellResult(cell, Outcome.SKIPPED, note=f"being trained by {owner}")
-    resume_from, replayed = None, {}
-    if unfinished is not None:
-        checkpoints = checkpoint_dir(
-            ctx.results_dir, tracker.experiment_name_of(unfinished), unfinished.info.run_id
-        )
-        resume_from = latest_checkpoint(checkpoints)
-    if resume_from is not None:
-        run_id = unfinished.info.run_id
-        for stale in checkpoints.glob("step*.ckpt*"):
-            if stale != resume_from:
-                stale.unlink()
-        replayed = logged_steps(tracker.client, run_id)
-        tracker.reopen(run_id)
-        out(f"{prefix} resuming run {run_id} ({unfinished.data.tags.get('status')}) from {resume_from.name}")
-    else:
-        if unfinished is not None:  # died before its first checkpoint: its points cannot be continued
-            tracker.delete(unfinished.info.run_id)
-            out(f"{prefix} restarting: run {unfinished.info.run_id} died before its first checkpoint")
-        run_id = tracker.start_cell(cell)
-        checkpoints = checkpoint_dir(ctx.results_dir, tracker.experiment, run_id)
-    tracker.client.set_tag(run_id, "worker", worker_name())
+    tracker.ensure_active()
+    with claim_lock(tracker.uri):  # two sweeps on one SQLite store never both claim the cell
+        done = tracker.done_run(cell.run_key)
+        if done is not None and not force:
+            return CellResult(cell, Outcome.SKIPPED, note=f"{done.data.tags['status']} earlier")
+        unfinished = tracker.resumable_run(cell.run_key)
+        if unfinished is not None and (owner := live_owner(unfinished, STALE_BEATS * ctx.heartbeat_s)):
+            out(f"{prefix} skipped: being trained by {owner} (run {unfinished.info.run_id})")
+            return CellResult(cell, Outcome.BUSY, note=f"being trained by {owner}")
+        claim = claim_run(cell, ctx, unfinished, prefix)
+    run_id = claim.run_id
+    started = time.perf_counter()
+
+    def beat() -> None:
+        tracker.client.set_tag(run_id, HEARTBEAT_TAG, f"{time.time():.0f}")
+
+    with Heartbeat(beat, ctx.heartbeat_s, f"run {run_id}"):
+        try:
+            return train_and_record(cell, ctx, prefix, clock, claim)
+        except MlflowException as err:  # recording failed: the run or the store is gone
+            tracker.check_store()
+            if not tracker.is_deleted(run_id):
+                line = f"tracking store {tracker.uri} failed: {type(err).__name__}: {err}".splitlines()[0]
+                raise TrackingError(line) from None
+            note = f"its run {run_id} was deleted in the MLflow UI while it trained"
+            out(f"{prefix} FAILED: {note}; the next sweep trains the cell again")
+            clock.cell_done(time.perf_counter() - started)
+            return CellResult(cell, Outcome.FAILED, time.perf_counter() - started, note=note)
+
+
+def train_and_record(
+    cell: Cell, ctx: SweepContext, prefix: str, clock: SweepClock, claim: Claim
+) -> CellResult:
+    """Train the claimed run and record how it ended (see :func:`run_cell`)."""
+    tracker, out, run_id, checkpoints = ctx.tracker, ctx.out, claim.run_id, claim.checkpoints
     earlier = [r for r in tracker.runs_for(cell.run_key) if r.info.run_id != run_id]
     started = time.perf_counter()
 
@@ -188,8 +268,8 @@ def run_cell(
             ctx.cache_root,
             checkpoints,
             extra_callbacks=[StopOnRequest(ctx.stop, checkpoints)],
-            resume_from=resume_from,
-            replayed=replayed,
+            resume_from=claim.resume_from,
+            replayed=claim.replayed,
         )
     except Interrupted as err:
         tracker.client.set_tag(run_id, "checkpoint", str(err.checkpoint))
@@ -221,7 +301,8 @@ def run_cell(
     for old in earlier:  # FORCE: the old result steps aside only once the new one exists
         if old.data.tags.get("status") in Status.DONE:
             tracker.client.set_tag(old.info.run_id, "status", Status.SUPERSEDED)
-    outcome = ended(Outcome.RESUMED if unfinished is not None else Outcome.FINISHED)
+    how = Outcome.RESUMED if claim.resume_from else Outcome.RESTARTED if claim.restarted else Outcome.FINISHED
+    outcome = ended(how)
     outcome.avg_ppl = final[N.VAL_PPL_AVG]
     domains = ", ".join(f"{N.domain_of(k)} {v:.2f}" for k, v in final.items() if N.domain_of(k))
     probes = "probes failed (tag probe_error)"
@@ -241,11 +322,12 @@ def run_sweep(
     cache_root: Path | None = None,
     out: Callable[[str], None] = print,
     stop: StopRequest | None = None,
+    heartbeat_s: int = HEARTBEAT_S,
 ) -> list[CellResult]:
     """Train every cell that has no result, in order, in this process; never raises for one
     cell's failure. With an active ``stop`` (see :mod:`sweep.run.interrupt`), Ctrl-C or SIGTERM
-    stops the sweep after saving the current cell's state; the cells not reached are reported
-    as ``killed`` too.
+    stops the sweep after saving the current cell's state (``killed``); the cells not reached
+    are ``not started``.
 
     Args:
         grid: the parsed grid (for the experiment name and the baseline's parameter count).
@@ -255,6 +337,7 @@ def run_sweep(
         cache_root: corpus cache (default ``.cache``).
         out: where progress lines go.
         stop: the signal catcher the caller entered (none: signals act as usual).
+        heartbeat_s: seconds between a training cell's heartbeats (its run's ``heartbeat`` tag).
 
     Returns:
         One :class:`CellResult` per cell, in order; a cell whose config equals an earlier cell's
@@ -263,7 +346,7 @@ def run_sweep(
     Raises:
         TrackingError, CorpusError: before any run exists (see :func:`prepare_sweep`).
     """
-    ctx = prepare_sweep(grid, cells, results_dir, cache_root, stop, out)
+    ctx = prepare_sweep(grid, cells, results_dir, cache_root, stop, out, heartbeat_s)
     ctx.stop.arm()
     first: dict[str, Cell] = {}  # a cell two rows share (the same run_key) is trained once
     for cell in cells:
@@ -278,9 +361,7 @@ def run_sweep(
     clock = SweepClock(len(todo))
     for i, cell in enumerate(todo, start=1):
         if ctx.stop.signum is not None:
-            outcomes[id(cell)] = CellResult(
-                cell, Outcome.KILLED, note="not started: the sweep was interrupted"
-            )
+            outcomes[id(cell)] = CellResult(cell, Outcome.NOT_STARTED, note="the sweep was interrupted")
             continue
         prefix = f"[{i:>{len(str(len(todo)))}}/{len(todo)}] {cell.row.id} s{cell.seed}"
         outcomes[id(cell)] = run_cell(cell, ctx, prefix, clock, force)
@@ -295,6 +376,7 @@ def run_sweep(
 
 
 def summary_line(outcomes: list[CellResult]) -> str:
-    """``finished 12, resumed 1, skipped 0, diverged 0, failed 0`` (``killed`` only if any)."""
+    """``finished 12, resumed 1, skipped 0, diverged 0, failed 0``, then ``restarted``, ``busy``,
+    ``killed`` and ``not started`` where some cell had them (in the order of ``Outcome.SUMMARY``)."""
     counts = {s: sum(o.status == s for o in outcomes) for s in Outcome.SUMMARY}
-    return ", ".join(f"{k} {v}" for k, v in counts.items() if k != Outcome.KILLED or v)
+    return ", ".join(f"{k} {v}" for k, v in counts.items() if k not in Outcome.SUMMARY_IF_ANY or v)
