@@ -1,13 +1,14 @@
 """Our checkpoints as an lm-evaluation-harness model (registered as ``gated-attn``).
 
-``GatedAttnLM`` subclasses lm-eval's ``TemplateLM`` (an ``lm_eval.api.model.LM``): lm-eval splits
-each (context, continuation) pair at the token boundary (``_encode_pair``: the whole string is
-encoded, the context's tokens are cut off the front, trailing context spaces move to the
-continuation), and we score the continuation tokens. Inputs longer than the model's window are
-truncated from the left. Requests with the same input (a multiple-choice question's one-token
-answers) share one forward pass. Generation is greedy, batched over prompts of equal length, with
-a KV cache (each token is fed once), and stops at the first stop string (or EOS, or
-``max_gen_toks``).
+``GatedAttnLM`` subclasses lm-eval's ``TemplateLM`` (an ``lm_eval.api.model.LM``). Each
+(context, continuation) pair is encoded once, as one string, and split where the context's
+characters end (:meth:`GatedAttnLM._encode_pair`); a token that straddles that boundary belongs
+to the continuation, so a continuation is never scored as empty. We score the continuation
+tokens; an empty or over-long continuation is an error, never a score. Inputs longer than the
+model's window are truncated from the left. Requests with the same input (a multiple-choice
+question's one-token answers) share one forward pass. Generation is greedy, batched over prompts
+of equal length, with a KV cache (each token is fed once), and stops at the first stop string (or
+EOS, or ``max_gen_toks``).
 """
 
 from __future__ import annotations
@@ -80,19 +81,83 @@ class GatedAttnLM(TemplateLM):
     def tok_decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)
 
+    def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """``(context, continuation)`` -> (context tokens, continuation tokens), from one encoding.
+
+        As lm-eval's causal split (``TemplateLM._encode_pair``), trailing whitespace of the context
+        moves to the continuation and the joined string is encoded once. The context's tokens are
+        those of the whole encoding that end within the context's characters (the tokenizer's
+        offsets); a token that straddles the boundary belongs to the continuation. The byte-level
+        BPE merges across a boundary inside a word or a character sequence (``"x = im"`` +
+        ``"port"`` is ``x``, `` =``, `` import``), where lm-eval's split, the whole encoding less as
+        many tokens as the context encodes to alone, leaves the continuation empty (its Hugging
+        Face backend asserts there). An empty context (or whitespace only) is the prefix token
+        (EOS), as lm-eval's empty-context rule; the tokenizer adds no BOS, so no token is dropped.
+
+        Raises:
+            ValueError: the continuation is empty: there is nothing to score.
+        """
+        if not continuation:
+            raise ValueError(f"{_named(context, continuation)}: an empty continuation has nothing to score")
+        boundary = len(context.rstrip())
+        encoding = self.tokenizer.encode(context + continuation)
+        ends = [end for _, end in encoding.offsets]
+        cut = next((i for i, end in enumerate(ends) if end > boundary), len(ends))
+        return encoding.ids[:cut] or [self.prefix_token_id], encoding.ids[cut:]
+
+    def loglikelihood(self, requests: list, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """lm-eval's ``loglikelihood``: (sum of log p of the continuation's tokens in nats, whether
+        they are the greedy ones) per ``(context, continuation)`` request, every one split by
+        :meth:`_encode_pair` (an empty context included).
+
+        Raises:
+            ValueError: a request's continuation is empty or longer than the model's window.
+        """
+        pairs = [r.args for r in requests]
+        return self._loglikelihood_tokens([((c, x), *self._encode_pair(c, x)) for c, x in pairs])
+
+    def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kwargs: Any) -> list:
+        """Score lm-eval's ``((context, continuation), context tokens, continuation tokens)``.
+
+        Raises:
+            ValueError: a request without context or continuation tokens, or with more continuation
+                tokens than the window (``max_length``): no number would be its score (lm-eval's
+                Hugging Face backend asserts the same).
+        """
+        for (context, continuation), context_enc, continuation_enc in requests:
+            problem = self._unscorable(context_enc, continuation_enc)
+            if problem:
+                raise ValueError(f"{_named(context, continuation)}: {problem}")
+        return self._score([(context, continuation) for _, context, continuation in requests])
+
+    def _unscorable(self, context: list[int], continuation: list[int]) -> str | None:
+        """Why a token pair has no score, or None."""
+        if not context or not continuation:
+            return "no context tokens" if not context else "no continuation tokens"
+        if len(continuation) > self.max_length:
+            return f"{len(continuation)} continuation tokens, more than the window of {self.max_length}"
+        return None
+
     @torch.no_grad()
     def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
-        """Sum of log p(continuation | context) and whether it is the greedy continuation; the
-        joined tokens keep their last ``max_length + 1``. Batched by equal length; only the
+        """Sum of log p(continuation | context) in nats and whether it is the greedy continuation;
+        the joined tokens keep their last ``max_length + 1``. Batched by equal length; only the
         continuation's positions are kept from each batch (a (T, V) matrix per request would
-        not fit at a large vocabulary)."""
-        results: list[tuple[float, bool]] = [(0.0, True)] * len(pairs)  # an empty continuation
+        not fit at a large vocabulary).
+
+        Raises:
+            ValueError: a pair without context or continuation tokens, or with more continuation
+                tokens than the window.
+        """
+        results: dict[int, tuple[float, bool]] = {}
         by_len: dict[int, list[tuple[int, list[int], int, list[int]]]] = defaultdict(list)
         for i, (context, continuation) in enumerate(pairs):
+            problem = self._unscorable(context, continuation)
+            if problem:
+                raise ValueError(f"token pair {i}: {problem}")
             whole = (context + continuation)[-(self.max_length + 1) :]
-            n = min(len(continuation), len(whole) - 1)  # longer than the window: its end
-            if n > 0:
-                by_len[len(whole) - 1].append((i, whole[:-1], len(whole) - 1 - n, continuation[-n:]))
+            n = len(continuation)
+            by_len[len(whole) - 1].append((i, whole[:-1], len(whole) - 1 - n, continuation))
         for jobs in by_len.values():
             # Requests with the same input (a multiple-choice question's one-token answers) share
             # one forward pass.
@@ -109,14 +174,13 @@ class GatedAttnLM(TemplateLM):
                         target = torch.tensor(continuation)
                         logprob = logp.gather(-1, target[:, None]).sum().item()
                         results[i] = (logprob, bool((logp.argmax(-1) == target).all()))
-        return results
-
-    def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kwargs: Any) -> list:
-        return self._score([(context, continuation) for _, context, continuation in requests])
+        return [results[i] for i in range(len(pairs))]
 
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
-        """Total log-likelihood of each document, in disjoint windows of ``max_length`` tokens,
-        the first conditioned on EOS."""
+        """Total log-likelihood of each document in nats, in disjoint windows of ``max_length``
+        tokens, the first conditioned on EOS. The document is encoded once, whole (no boundary to
+        split); an empty one has no tokens to predict and totals 0.0, as in lm-eval's Hugging Face
+        backend (no windows)."""
         totals = []
         for (text,) in (r.args for r in requests):
             windows = [
@@ -131,7 +195,9 @@ class GatedAttnLM(TemplateLM):
     @torch.no_grad()
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
         """Greedy continuation of each context until the first ``until`` string (not included),
-        EOS, or ``max_gen_toks`` tokens."""
+        EOS, or ``max_gen_toks`` tokens. The prompt is the context encoded once, whole (nothing to
+        split), cut from the left to leave room for ``max_gen_toks``; an empty context is the
+        prefix token (EOS), as in :meth:`_encode_pair`."""
         jobs = []
         for context, gen_kwargs in (r.args for r in requests):
             until = gen_kwargs.get("until") or []
@@ -177,6 +243,12 @@ class GatedAttnLM(TemplateLM):
                 nxt, active = nxt.index_select(0, keep), [active[r] for r in still]
             nxt = self.model(nxt[:, None], cache)[:, -1].argmax(-1)
         return new
+
+
+def _named(context: str, continuation: str) -> str:
+    """A loglikelihood request as an error names it: the context's end and the continuation."""
+    shown = repr(context[-60:]) if len(context) <= 60 else f"...{context[-60:]!r}"
+    return f"loglikelihood request (context {shown}, continuation {continuation[:60]!r})"
 
 
 def cut_at_stop(text: str, stops: list[str]) -> str:

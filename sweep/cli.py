@@ -222,13 +222,13 @@ def _evaluate(grid, scale: str, cells, results: Path, cache: Path | None, asked:
         where = ", ".join(grid.eval.scales)
         print(f"benchmarks: not scored at {scale} (the grid scores at {where}); make eval scores them")
         return 0
-    from sweep.eval.scores import evaluate_missing
+    from sweep.eval.scores import evaluate_missing, runnable_tasks
     from sweep.store import Tracker, experiment_name, tracking_uri
 
     tracker = Tracker(tracking_uri(results), experiment_name(grid.name, scale), results / "mlartifacts")
     done, failed = evaluate_missing(tracker, cells, grid.eval, cache)
     if done or failed:
-        print(f"benchmarks ({', '.join(grid.eval.tasks)}): {done} runs scored, {failed} failed")
+        print(f"benchmarks ({', '.join(runnable_tasks(grid.eval))}): {done} runs scored, {failed} failed")
     return failed
 
 

@@ -106,7 +106,6 @@ def test_generate_until_stops_at_the_stop_string(lm: GatedAttnLM) -> None:
     assert cut_at_stop("abc\ndef x", ["\nd", "x"]) == "abc"
     (same,) = lm.generate_until([request("generate_until", context, {"until": [""], "max_gen_toks": 12})])
     assert same == free  # an empty stop string stops nothing
-    assert lm._score([([5], []), ([5, 6], [7])])[0] == (0.0, True)  # nothing to score
 
 
 def test_offline_suite_data() -> None:
@@ -130,6 +129,7 @@ def test_the_suite_builds_into_a_fresh_cache(tmp_path: Path) -> None:
     assert not list((tmp_path / "new" / "cache").glob(".bench-build-*"))  # the build folder is gone
     assert chance(root, "offline_mmlu_dev") == pytest.approx((281 / 4 + 1 / 5) / 282)
     assert chance(root, "offline_humaneval") is None
+    assert "unsafe_code: true" in (root / "offline_humaneval.yaml").read_text()  # lm-eval's own check
     assert task_dir(tmp_path / "new" / "cache") == root  # built once
 
 
@@ -153,7 +153,8 @@ def test_bigbench_task_json_becomes_multiple_choice(tmp_path: Path) -> None:
     ]
 
 
-def test_humaneval_executor_runs_the_tests_in_a_subprocess() -> None:
+def test_humaneval_executor_runs_the_tests_in_a_subprocess(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_ALLOW_CODE_EVAL", "1")
     problem = humaneval_problems()[0]
     assert passes(problem, problem["canonical_solution"])
     assert not passes(problem, "    return None\n")
@@ -230,11 +231,32 @@ def test_make_eval_scores_finished_runs_without_retraining(
     assert not any(k.startswith("bench/") for r in runs() for k in r.data.metrics)
     capsys.readouterr()
 
+    # Without HF_ALLOW_CODE_EVAL=1, HumanEval runs nothing: one warning, no number in the tables.
+    monkeypatch.delenv("HF_ALLOW_CODE_EVAL", raising=False)
     assert main(["eval", "--grid", str(scored), "--results", str(results)]) == 0
+    printed = capsys.readouterr().out
+    held = "warning: offline_humaneval not scored: it runs model-generated code; set HF_ALLOW_CODE_EVAL=1"
+    assert printed.count(held) == 1
+    assert "benchmarks (offline_mmlu_dev): 3 runs scored, 0 failed" in printed
+    assert not any(k.startswith("bench/offline_humaneval/") for r in runs() for k in r.data.metrics)
+    csv = pd.read_csv(results / "micro.csv").set_index("id")
+    assert csv["bench_offline_humaneval"].isna().all() and (csv["bench_offline_humaneval_n"] == 0).all()
+    assert csv["bench_offline_mmlu_dev"].notna().all()
+    md = (results / "micro.md").read_text().splitlines()
+    lines = [line.split("|") for line in md if line.startswith("|")]
+    column = next(i for i, cell in enumerate(lines[0]) if cell.strip().startswith("humaneval"))
+    assert {row[column].strip() for row in lines[2:]} == {"—"}  # no number for an unscored task
+
+    monkeypatch.setenv("HF_ALLOW_CODE_EVAL", "1")
+    assert main(["eval", "--grid", str(scored), "--results", str(results)]) == 0
+    printed = capsys.readouterr().out
     assert (
-        "benchmarks (offline_mmlu_dev, offline_humaneval): 3 runs scored, 0 failed" in capsys.readouterr().out
+        "warning: HF_ALLOW_CODE_EVAL=1: offline_humaneval runs model-generated code: each program" in printed
     )
+    assert "benchmarks (offline_mmlu_dev, offline_humaneval): 3 runs scored, 0 failed" in printed
     after = runs()
+    for run in after:  # MMLU was scored once: only the missing task ran again
+        assert len(client.get_metric_history(run.info.run_id, "bench/offline_mmlu_dev/acc")) == 1
     assert {r.info.run_id for r in after} == before  # nothing trained again
     for run in after:
         acc = run.data.metrics["bench/offline_mmlu_dev/acc"]

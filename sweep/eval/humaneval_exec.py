@@ -1,16 +1,14 @@
 """HumanEval pass@1 for lm-eval's ``process_results``: the completion runs with the problem's
-tests in a separate Python process (isolated mode, no site packages, a temporary folder, a
-timeout), so a hanging or
-crashing completion costs one failed problem, never the evaluation.
+tests in a confined child process (``sweep.eval.sandbox``: only with ``HF_ALLOW_CODE_EVAL=1``; an
+empty folder, resource limits, a reliability guard, no network, a timeout), so a hanging, crashing
+or harmful completion costs one failed problem, never the evaluation or the machine.
 
 lm-eval loads this file from the suite's task folder (``!function humaneval_exec.process_results``).
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import tempfile
+from sweep.eval.sandbox import require_opt_in, run_confined
 
 TIMEOUT_S = 10.0
 
@@ -21,20 +19,20 @@ def program(doc: dict, completion: str) -> str:
 
 
 def passes(doc: dict, completion: str, timeout_s: float = TIMEOUT_S) -> bool:
-    """Whether ``completion`` passes the problem's tests within ``timeout_s`` seconds."""
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            done = subprocess.run(
-                [sys.executable, "-I", "-S", "-c", program(doc, completion)],
-                cwd=tmp,
-                capture_output=True,
-                timeout=timeout_s,
-            )
-        except subprocess.TimeoutExpired:
-            return False
-    return done.returncode == 0
+    """Whether ``completion`` passes the problem's tests within ``timeout_s`` wall seconds; a
+    completion that exits early (``sys.exit(0)``) or breaks a limit fails.
+
+    Raises:
+        CodeEvalRefused: ``HF_ALLOW_CODE_EVAL`` is not ``1``: nothing runs.
+    """
+    require_opt_in(f"HumanEval ({doc.get('task_id', 'a problem')})")
+    return run_confined(program(doc, completion), timeout_s)
 
 
 def process_results(doc: dict, results: list[str]) -> dict[str, float]:
-    """lm-eval hook: ``results`` holds the one greedy completion."""
+    """lm-eval hook: ``results`` holds the one greedy completion.
+
+    Raises:
+        CodeEvalRefused: ``HF_ALLOW_CODE_EVAL`` is not ``1`` (no score, not a 0).
+    """
     return {"pass@1": float(passes(doc, results[0]))}

@@ -4,6 +4,10 @@
 grid's ``eval.tasks``; ``make eval`` does only that, without training. Each metric is logged with
 the standard error lm-eval reports (``bench/<task>/<metric>_stderr``) at the run's last step, and
 a multiple-choice task of the offline suite with its chance level (``bench/<task>/chance``).
+
+A task that runs model-generated code (``offline_humaneval``) is scored only with
+``HF_ALLOW_CODE_EVAL=1`` (``sweep.eval.sandbox``); without it, it is skipped with one warning line
+and logs nothing, so the tables show no number for it and a later opted-in ``make eval`` scores it.
 """
 
 from __future__ import annotations
@@ -27,28 +31,40 @@ from experiments.names import (
     bench_prefix,
     bench_score_key,
 )
-from sweep.eval.suite import BIGBENCH_TASKS, OFFLINE_TASKS, chance, task_dir
+from sweep.eval.humaneval_exec import TIMEOUT_S
+from sweep.eval.sandbox import OPT_IN, code_eval_allowed, limits_line
+from sweep.eval.suite import BIGBENCH_TASKS, CODE_TASKS, OFFLINE_TASKS, chance, task_dir
 from sweep.grid import Cell, EvalConfig
 from sweep.store import Tracker
 
 
 def evaluate_checkpoint(
-    cfg: RunConfig, checkpoint: Path, spec: EvalConfig, cache_root: Path | None = None
+    cfg: RunConfig,
+    checkpoint: Path,
+    spec: EvalConfig,
+    cache_root: Path | None = None,
+    tasks: list[str] | None = None,
 ) -> dict[str, float]:
-    """Run ``spec.tasks`` on the model in ``checkpoint`` (``final.ckpt``) with lm-eval.
+    """Run ``tasks`` (default ``spec.tasks``) on the model in ``checkpoint`` (``final.ckpt``) with
+    lm-eval.
 
     Offline tasks come from ``sweep.eval.suite``; with only those, the Hugging Face libraries
     are put in offline mode (:func:`prepare_lm_eval`). Returns ``{bench/<task>/<metric>:
     value}``, ``..._stderr`` where lm-eval gives a standard error (it gives none for n = 1) and
     ``bench/<task>/chance`` for the suite's multiple-choice tasks.
+
+    Raises:
+        CodeEvalRefused: a task runs model-generated code and ``HF_ALLOW_CODE_EVAL`` is not 1
+            (lm-eval's own code tasks raise its ``ValueError`` instead).
     """
+    tasks = list(spec.tasks) if tasks is None else tasks
     prepare_lm_eval(spec)
     import torch
     from lm_eval import simple_evaluate
 
     from experiments.lm_wrapper import GatedAttnLM
 
-    suite = task_dir(cache_root, bigbench=any(t in BIGBENCH_TASKS for t in spec.tasks))
+    suite = task_dir(cache_root, bigbench=any(t in BIGBENCH_TASKS for t in tasks))
     corpus = build_corpus(cfg.data, cache_root, log=lambda _msg: None)
     lm = GatedAttnLM.from_checkpoint(
         checkpoint,
@@ -60,7 +76,7 @@ def evaluate_checkpoint(
     )
     manager = _task_manager(str(suite), all(t in OFFLINE_TASKS + BIGBENCH_TASKS for t in spec.tasks))
     metrics: dict[str, float] = {}
-    for task in spec.tasks:
+    for task in tasks:
         out = simple_evaluate(
             model=lm,
             tasks=[task],
@@ -73,7 +89,7 @@ def evaluate_checkpoint(
             numpy_random_seed=0,
             torch_random_seed=0,
             fewshot_random_seed=0,
-            confirm_run_unsafe_code=True,  # HumanEval runs model code, in a subprocess
+            confirm_run_unsafe_code=code_eval_allowed(),  # HF_ALLOW_CODE_EVAL=1: sweep.eval.sandbox
         )
         metrics.update(parse_results(task, out["results"][task]))
         level = chance(suite, task)
@@ -147,15 +163,20 @@ def log_missing_chance(
             tracker.log_metrics(run.info.run_id, level, step=cell.config.train.max_steps)
 
 
-def missing_scores(tracker: Tracker, cells: list[Cell], spec: EvalConfig) -> list[tuple[Cell, Any]]:
-    """Finished runs of ``cells`` that lack a score of one of ``spec.tasks``, each run once (two
-    cells of one config share a run)."""
+def runnable_tasks(spec: EvalConfig) -> list[str]:
+    """``spec.tasks`` less those that run model-generated code when ``HF_ALLOW_CODE_EVAL`` is not 1."""
+    return [t for t in spec.tasks if code_eval_allowed() or t not in CODE_TASKS]
+
+
+def missing_scores(tracker: Tracker, cells: list[Cell], tasks: list[str]) -> list[tuple[Cell, Any]]:
+    """Finished runs of ``cells`` that lack a score of one of ``tasks``, each run once (two cells
+    of one config share a run)."""
     todo: dict[str, tuple[Cell, Any]] = {}
     for cell in cells:
         run = tracker.done_run(cell.run_key)
         if run is None or run.data.tags.get("status") != Status.FINISHED:
             continue
-        if any(not scored(run.data.metrics, task) for task in spec.tasks):
+        if any(not scored(run.data.metrics, task) for task in tasks):
             todo.setdefault(run.info.run_id, (cell, run))
     return list(todo.values())
 
@@ -167,34 +188,48 @@ def evaluate_missing(
     cache_root: Path | None = None,
     out: Callable[[str], None] = print,
 ) -> tuple[int, int]:
-    """Evaluate every finished run of ``cells`` that lacks scores; log them to its run.
+    """Evaluate every finished run of ``cells`` on the tasks it lacks scores of; log them to it.
 
-    A run whose evaluation fails gets the tag ``bench_error`` and the rest go on.
+    A run whose evaluation fails gets the tag ``bench_error`` and the rest go on. A task that runs
+    model-generated code is skipped without ``HF_ALLOW_CODE_EVAL=1``, with one warning line, and
+    logs nothing (it is not scored, not 0); with it, one line says the code will run and how it is
+    confined.
 
     Returns:
         (evaluated, failed) counts.
     """
     if not spec.tasks:
         return 0, 0
-    todo = missing_scores(tracker, cells, spec)
+    runnable = runnable_tasks(spec)
+    held = [t for t in spec.tasks if t not in runnable]
+    if held and missing_scores(tracker, cells, held):
+        out(
+            f"warning: {', '.join(held)} not scored: it runs model-generated code; "
+            f"set {OPT_IN}=1 to run it, confined ({limits_line(TIMEOUT_S)})"
+        )
+    todo = missing_scores(tracker, cells, runnable)
     if todo:
         prepare_lm_eval(spec)
+    code = [t for t in runnable if t in CODE_TASKS]
+    if code and any(not scored(run.data.metrics, t) for _, run in todo for t in code):
+        out(f"warning: {OPT_IN}=1: {', '.join(code)} runs model-generated code: {limits_line(TIMEOUT_S)}")
     failed = 0
     for i, (cell, run) in enumerate(todo, start=1):
         prefix = f"[eval {i}/{len(todo)}] {cell.row.id} s{cell.seed}"
         checkpoint = Path(run.data.tags.get("checkpoint", ""))
+        tasks = [t for t in runnable if not scored(run.data.metrics, t)]
         try:
             if checkpoint.name != "final.ckpt" or not checkpoint.is_file():
                 raise FileNotFoundError(f"no final checkpoint at {checkpoint}")
             with contextlib.redirect_stderr(io.StringIO()):  # lm-eval's progress bars, per task
-                scores = evaluate_checkpoint(cell.config, checkpoint, spec, cache_root)
+                scores = evaluate_checkpoint(cell.config, checkpoint, spec, cache_root, tasks)
         except Exception as err:  # one run's evaluation must not stop the others
             failed += 1
             tracker.client.set_tag(run.info.run_id, "bench_error", f"{type(err).__name__}: {err}"[:5000])
             out(f"{prefix} FAILED: {type(err).__name__}: {err}")
             continue
         tracker.log_metrics(run.info.run_id, scores, step=cell.config.train.max_steps)
-        shown = [(t, bench_score_key(t, scores)) for t in spec.tasks]
+        shown = [(t, bench_score_key(t, scores)) for t in tasks]
         out(
             f"{prefix}: " + ", ".join(f"{t} {bench_metric_name(t, k)} {scores[k]:.3f}" for t, k in shown if k)
         )

