@@ -124,6 +124,10 @@ def bench_chance_key(task: str) -> str:
     return bench_key(task, "chance")
 
 
+#: The score a task reports when it is not ``acc`` (a column's heading before any run has it).
+BENCH_METRIC = {"offline_humaneval": "pass@1"}
+
+
 def bench_score_key(task: str, logged: Iterable[str]) -> str | None:
     """The score a task's column shows, among the ``logged`` keys: its ``acc`` where it has one,
     else its first score in name order (a standard error or the chance level is not a score);

@@ -39,13 +39,13 @@ class BenchColumn:
 
 def bench_columns(grid: Grid, runs: pd.DataFrame) -> list[BenchColumn]:
     """The grid's ``eval.tasks`` as columns over the finished ``runs``: each shows the score its
-    runs logged (``experiments.names.bench_score_key``; ``acc`` before any is) with the chance
-    level the scoring logged."""
+    runs logged (``experiments.names.bench_score_key``; before any is, the task's
+    ``BENCH_METRIC`` or ``acc``) with the chance level the scoring logged."""
     if "status" in runs.columns:
         runs = runs[runs["status"] == Status.FINISHED]
     out = []
     for task in grid.eval.tasks:
-        metric = N.bench_score_key(task, runs.columns) or N.bench_key(task, "acc")
+        metric = N.bench_score_key(task, runs.columns) or N.bench_key(task, N.BENCH_METRIC.get(task, "acc"))
         chance_key = N.bench_chance_key(task)
         chance = float(runs[chance_key].dropna().mean()) if chance_key in runs else math.nan
         out.append(BenchColumn(task, metric, chance))
