@@ -23,12 +23,17 @@ from experiments.config import to_dict
 from experiments.names import Kind, Status
 from sweep.grid import Cell
 from sweep.sqlite_lock import creation_lock, sqlite_file
+from sweep.store_urls import (  # noqa: F401  (re-exported: the store's errors and addresses)
+    TrackingError,
+    check_reachable,
+    check_url_safe,
+    first_line,
+    quoted,
+    sqlite_url,
+    tracking_uri,
+)
 
 _MLFLOW_END = {Status.FINISHED: "FINISHED", Status.DIVERGED: "FINISHED", Status.KILLED: "KILLED"}
-
-
-class TrackingError(RuntimeError):
-    """The tracking store cannot be reached or written."""
 
 
 @contextlib.contextmanager
@@ -44,50 +49,6 @@ def user_tracking_env() -> Iterator[None]:
             os.environ.pop("MLFLOW_TRACKING_URI", None)
         else:
             os.environ["MLFLOW_TRACKING_URI"] = before
-
-
-#: Characters a database URL reads as syntax (query, fragment, escape), whatever the quoting:
-#: SQLAlchemy would decode a quoted path but MLflow makes the folder from the raw text.
-URL_SPECIAL = "?#%"
-
-
-def check_url_safe(path: Path) -> None:
-    """Refuse a local path that cannot be written into a ``sqlite:///`` URL unchanged.
-
-    Raises:
-        ValueError: the path holds one of :data:`URL_SPECIAL`; the message names the path.
-    """
-    found = sorted(set(str(path.resolve())) & set(URL_SPECIAL))
-    if found:
-        raise ValueError(
-            f"{path}: a folder whose path holds {' '.join(repr(c) for c in found)} cannot hold a SQLite "
-            "store (a database URL reads them as syntax); choose another results folder"
-        )
-
-
-def sqlite_url(path: Path) -> str:
-    """``sqlite:///<absolute path>`` of a local database file.
-
-    Raises:
-        ValueError: the path cannot be written into a URL unchanged (:func:`check_url_safe`).
-    """
-    check_url_safe(path)
-    return f"sqlite:///{path.resolve()}"
-
-
-def tracking_uri(results_dir: Path) -> str:
-    """``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<results_dir>/mlflow.db`` (absolute).
-
-    Raises:
-        TrackingError: the default store's path cannot be written into a URL (:func:`sqlite_url`).
-    """
-    env = os.environ.get("MLFLOW_TRACKING_URI")
-    if env:
-        return env
-    try:
-        return sqlite_url(results_dir / "mlflow.db")
-    except ValueError as err:
-        raise TrackingError(str(err)) from None
 
 
 def experiment_name(grid: str, scale: str) -> str:
@@ -111,43 +72,6 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
                 else str(value)
             )
     return out
-
-
-def quoted(value: str) -> str:
-    """``value`` as a string literal of an MLflow search filter (single quotes, else double).
-
-    Raises:
-        ValueError: ``value`` holds both quote characters (the filter grammar has no escape).
-    """
-    for quote in ("'", '"'):
-        if quote not in value:
-            return f"{quote}{value}{quote}"
-    raise ValueError(f"{value!r} cannot be quoted in an MLflow filter: it holds both quote characters")
-
-
-def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0] if lines else ''}"
-
-
-def check_reachable(uri: str, timeout_s: float = 10.0) -> None:
-    """Fail fast on a tracking server that does not answer (MLflow's own client retries for
-    minutes) or a SQLite store whose folder does not exist.
-
-    Raises:
-        TrackingError: with the URI and the reason, one line.
-    """
-    if uri.startswith(("http://", "https://")):
-        import requests
-
-        try:
-            requests.get(f"{uri.rstrip('/')}/health", timeout=timeout_s)
-        except requests.RequestException as err:
-            raise TrackingError(f"tracking store {uri} is not reachable: {type(err).__name__}") from None
-    elif uri.startswith("sqlite:///"):
-        folder = Path(uri.removeprefix("sqlite:///")).parent
-        if not folder.is_dir():
-            raise TrackingError(f"tracking store {uri} is not usable: folder {folder} does not exist")
 
 
 def _file_id(path: Path) -> tuple[int, int] | None:
@@ -222,7 +146,7 @@ class Tracker:
             if found is not None:
                 self.experiment_id = found.experiment_id
         except Exception as err:  # MLflow raises many types for an unreachable store
-            raise TrackingError(f"tracking store {uri} is not usable: {_first_line(err)}") from None
+            raise TrackingError(f"tracking store {uri} is not usable: {first_line(err)}") from None
         self._db = sqlite_file(uri)
         self._db_id = _file_id(self._db) if self._db else None
         if found is not None and found.lifecycle_stage == LifecycleStage.DELETED:
@@ -269,7 +193,7 @@ class Tracker:
         except Exception as err:
             raise TrackingError(
                 f"experiment {self.experiment} (id {self.experiment_id}) was deleted in the MLflow UI and "
-                f"cannot be restored ({_first_line(err)}); restore it in the UI, or remove it for good "
+                f"cannot be restored ({first_line(err)}); restore it in the UI, or remove it for good "
                 f"with: mlflow gc --backend-store-uri '{self.uri}' --experiment-ids {self.experiment_id}"
             ) from None
         count = f"{len(runs)} cell run{'' if len(runs) == 1 else 's'}"

@@ -18,7 +18,7 @@ from sqlalchemy import event
 
 from experiments.names import TrialOutcome
 from sweep.sqlite_lock import creation_lock
-from sweep.store import sqlite_url
+from sweep.store_urls import sqlite_url
 
 HEARTBEAT_S = 30
 DIVERGED_ATTR = "diverged"  # the user attribute (its reason) of an LR-search trial pruned for diverging

@@ -1,0 +1,95 @@
+"""Where the stores are, and what may be written into their addresses and queries: the
+tracking store's URI, SQLite URLs of local files, the checks that a store answers, and string
+literals for MLflow's search filters.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+class TrackingError(RuntimeError):
+    """The tracking store cannot be reached or written."""
+
+
+#: Characters a database URL reads as syntax (query, fragment, escape), whatever the quoting:
+#: SQLAlchemy would decode a quoted path but MLflow makes the folder from the raw text.
+URL_SPECIAL = "?#%"
+
+
+def check_url_safe(path: Path) -> None:
+    """Refuse a local path that cannot be written into a ``sqlite:///`` URL unchanged.
+
+    Raises:
+        ValueError: the path holds one of :data:`URL_SPECIAL`; the message names the path.
+    """
+    found = sorted(set(str(path.resolve())) & set(URL_SPECIAL))
+    if found:
+        raise ValueError(
+            f"{path}: a folder whose path holds {' '.join(repr(c) for c in found)} cannot hold a SQLite "
+            "store (a database URL reads them as syntax); choose another results folder"
+        )
+
+
+def sqlite_url(path: Path) -> str:
+    """``sqlite:///<absolute path>`` of a local database file.
+
+    Raises:
+        ValueError: the path cannot be written into a URL unchanged (:func:`check_url_safe`).
+    """
+    check_url_safe(path)
+    return f"sqlite:///{path.resolve()}"
+
+
+def tracking_uri(results_dir: Path) -> str:
+    """``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<results_dir>/mlflow.db`` (absolute).
+
+    Raises:
+        TrackingError: the default store's path cannot be written into a URL (:func:`sqlite_url`).
+    """
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    try:
+        return sqlite_url(results_dir / "mlflow.db")
+    except ValueError as err:
+        raise TrackingError(str(err)) from None
+
+
+def quoted(value: str) -> str:
+    """``value`` as a string literal of an MLflow search filter (single quotes, else double).
+
+    Raises:
+        ValueError: ``value`` holds both quote characters (the filter grammar has no escape).
+    """
+    for quote in ("'", '"'):
+        if quote not in value:
+            return f"{quote}{value}{quote}"
+    raise ValueError(f"{value!r} cannot be quoted in an MLflow filter: it holds both quote characters")
+
+
+def first_line(err: BaseException) -> str:
+    """``TypeName: first line of the message``: an exception as one line for the user."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"
+
+
+def check_reachable(uri: str, timeout_s: float = 10.0) -> None:
+    """Fail fast on a tracking server that does not answer (MLflow's own client retries for
+    minutes) or a SQLite store whose folder does not exist.
+
+    Raises:
+        TrackingError: with the URI and the reason, one line.
+    """
+    if uri.startswith(("http://", "https://")):
+        import requests
+
+        try:
+            requests.get(f"{uri.rstrip('/')}/health", timeout=timeout_s)
+        except requests.RequestException as err:
+            raise TrackingError(f"tracking store {uri} is not reachable: {type(err).__name__}") from None
+    elif uri.startswith("sqlite:///"):
+        folder = Path(uri.removeprefix("sqlite:///")).parent
+        if not folder.is_dir():
+            raise TrackingError(f"tracking store {uri} is not usable: folder {folder} does not exist")
