@@ -27,21 +27,28 @@ TEXT = "the cat sat on the mat. a dog ran in the park. the sun is hot and the sk
 WINDOW = 24
 
 
-@pytest.fixture(scope="module")
-def lm() -> GatedAttnLM:
+def tiny_lm(text: str, vocab_size: int, **kwargs: int) -> GatedAttnLM:
+    """A 2-layer model (seed 0, untrained) and a byte-level BPE trained on ``text``."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator([TEXT], trainer)
+    tok.train_from_iterator([text], trainer)
     torch.manual_seed(0)
     cfg = ModelConfig(
         vocab_size=tok.get_vocab_size(), d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
         ffn_dim=64, max_seq_len=WINDOW,
     )  # fmt: skip
-    return GatedAttnLM(GatedLM(cfg), tok, batch_size=3, max_gen_toks=12)
+    return GatedAttnLM(GatedLM(cfg), tok, batch_size=3, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def lm() -> GatedAttnLM:
+    return tiny_lm(TEXT, 300, max_gen_toks=12)
 
 
 def direct_logprob(lm: GatedAttnLM, tokens: list[int], n_scored: int) -> float:

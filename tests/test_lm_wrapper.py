@@ -5,14 +5,10 @@ recomputed by hand from the model's logits over the whole string's tokens."""
 from __future__ import annotations
 
 import pytest
-import torch
 from lm_eval.api.model import TemplateLM
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from experiments.config import ModelConfig
 from experiments.lm_wrapper import GatedAttnLM
-from experiments.model import GatedLM
-from tests.test_bench import TEXT, WINDOW, direct_logprob, request
+from tests.test_bench import TEXT, WINDOW, direct_logprob, request, tiny_lm
 
 # Frequent enough that BPE merges " import", " café" and two emoji into single tokens.
 MERGED = "x = import os\nle café 😀😀 cafe\u0301 " * 30
@@ -20,19 +16,7 @@ MERGED = "x = import os\nle café 😀😀 cafe\u0301 " * 30
 
 @pytest.fixture(scope="module")
 def lm() -> GatedAttnLM:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=340, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator([TEXT + MERGED], trainer)
-    torch.manual_seed(0)
-    cfg = ModelConfig(
-        vocab_size=tok.get_vocab_size(), d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-        ffn_dim=64, max_seq_len=WINDOW,
-    )  # fmt: skip
-    return GatedAttnLM(GatedLM(cfg), tok, batch_size=3)
+    return tiny_lm(TEXT + MERGED, 340)
 
 
 def loglikelihood(lm: GatedAttnLM, context: str, continuation: str) -> tuple[float, bool]:
