@@ -11,17 +11,12 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-
-from experiments.corpus import CorpusError
-from experiments.names import Outcome
-from sweep.grid import load_grid
-from sweep.gridfile import GridError
-from sweep.store import TrackingError
-from sweep.studies import HEARTBEAT_S
 
 
 class UsageError(RuntimeError):
@@ -29,6 +24,8 @@ class UsageError(RuntimeError):
 
 
 def _parser() -> argparse.ArgumentParser:
+    from sweep.studies import HEARTBEAT_S
+
     p = argparse.ArgumentParser(prog="sweep", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     for name, text in (
@@ -105,6 +102,39 @@ def _command_line() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; see the module docstring for the exit status."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, _interrupt_once) if main_thread else None
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # outside training (which StopRequest handles): loading, scoring, tables
+        command = next(iter(argv if argv is not None else sys.argv[1:]), "sweep")
+        print(
+            f"{command} interrupted: no table or figure was half-written; "
+            "run the same command again to finish",
+            file=sys.stderr,
+        )
+        return 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _interrupt_once(signum: int, frame: object) -> None:
+    """Ctrl-C outside training: a KeyboardInterrupt, and any further SIGINT ignored (``timeout``
+    and some shells signal the process and its group both) so the one line is all that is said."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def _main(argv: list[str] | None) -> int:
+    # Imported here, not at the top: a Ctrl-C while they load (a second or so) is then one line.
+    from experiments.corpus import CorpusError
+    from experiments.names import Outcome
+    from sweep.grid import load_grid
+    from sweep.gridfile import GridError
+    from sweep.store import TrackingError
+
     args = _parser().parse_args(argv)
     if args.seeds is not None and args.seeds < 1:
         print("error: --seeds must be at least 1", file=sys.stderr)
@@ -194,13 +224,6 @@ def main(argv: list[str] | None = None) -> int:
         if figures:
             print(f"figures: {', '.join(figures)}")
         return 1 if bench_failed or any(o.status in (Outcome.FAILED, Outcome.KILLED) for o in outcomes) else 0
-    except KeyboardInterrupt:  # outside training (which StopRequest handles): planning, scoring, tables
-        print(
-            f"{args.command} interrupted: no table or figure was half-written; "
-            "run the same command again to finish",
-            file=sys.stderr,
-        )
-        return 130
     except CorpusError as err:
         print(f"error: {args.grid}: data.sources: {err}", file=sys.stderr)
         return 2
@@ -251,6 +274,8 @@ def _worker(args: argparse.Namespace, grid, cells, results: Path, cache: Path | 
         )
     if stop.signum is not None:
         return stop.exit_code
+    from experiments.names import Outcome
+
     return 1 if any(o.status == Outcome.FAILED for o in outcomes) else 0
 
 

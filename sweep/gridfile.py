@@ -74,6 +74,10 @@ def _reject_duplicate_keys(
                     path,
                 )
             key = key_node.value
+            if key_node.tag != "tag:yaml.org,2002:str":  # `1:`, `true:`, `null:` read as a number...
+                raise GridError(
+                    file, f"keys must be names, not {key!r} ({_where(key_node.start_mark)})", row, path
+                )
             key_path = f"{path}.{key}" if path else key
             if key in seen:
                 raise GridError(

@@ -194,12 +194,14 @@ class Tracker:
             raise TrackingError(
                 f"experiment {self.experiment} (id {self.experiment_id}) was deleted in the MLflow UI and "
                 f"cannot be restored ({first_line(err)}); restore it in the UI, or remove it for good "
-                f"with: mlflow gc --backend-store-uri '{self.uri}' --experiment-ids {self.experiment_id}"
+                f"with: mlflow gc --backend-store-uri '{self.uri}' --tracking-uri '{self.uri}' "
+                f"--experiment-ids {self.experiment_id}"
             ) from None
         count = f"{len(runs)} cell run{'' if len(runs) == 1 else 's'}"
         self.out(
             f"experiment {self.experiment} was deleted in the MLflow UI; restored it with its {count} "
-            f"(to discard them for good: delete it again, then mlflow gc --backend-store-uri '{self.uri}')"
+            f"(to discard them for good: delete it again, then "
+            f"mlflow gc --backend-store-uri '{self.uri}' --tracking-uri '{self.uri}')"
         )
 
     def is_deleted(self, run_id: str) -> bool:

@@ -96,7 +96,8 @@ def test_an_experiment_that_cannot_be_restored_stops_with_one_line_and_status_2(
     captured = capsys.readouterr()
     (line,) = captured.err.splitlines()
     assert line.startswith(f"error: experiment micro-tiny (id {exp_id}) was deleted in the MLflow UI")
-    assert f"mlflow gc --backend-store-uri 'sqlite:///{(results / 'mlflow.db').resolve()}'" in line
+    uri = f"sqlite:///{(results / 'mlflow.db').resolve()}"
+    assert f"mlflow gc --backend-store-uri '{uri}' --tracking-uri '{uri}'" in line
     assert "to train" not in captured.out  # stopped before planning
 
 

@@ -88,12 +88,13 @@ def test_filter_values_are_quoted_or_refused() -> None:
         "{id: baseline, [n_heads, n_kv_heads]: 4}",
         "{id: baseline, model: {{n_heads: 1}: 4}}",
         "{[id, label]: baseline}",
+        "{id: baseline, model: {1: 4}}",
     ],
 )
 def test_a_yaml_complex_key_is_one_line_naming_the_place(row: str, tmp_path: Path) -> None:
     grid = tmp_path / "g.yaml"
     grid.write_text(MICRO.replace('{id: baseline, label: "Baseline", paper_row: 1}', row))
-    with pytest.raises(GridError, match=r"keys must be names, not a (sequence|mapping) \(line 12 column"):
+    with pytest.raises(GridError, match=r"keys must be names, not (a sequence|a mapping|'1') \(line 12 col"):
         load_grid(grid)
 
 
@@ -302,7 +303,7 @@ def test_two_rows_of_one_config_train_once_and_both_show_the_result(
     )
     out = capsys.readouterr().out
     assert "note: rows baseline, baseline_again have one config at tiny: trained once, shown in each" in out
-    assert "1 to train" in out
+    assert "1 to train" in out and "finished 1, resumed 0, skipped 0" in out
     assert len(_cell_runs(results)) == 1
     table = pd.read_csv(results / "micro.csv").set_index("id")
     assert table.loc["baseline_again", "avg_ppl"] == table.loc["baseline", "avg_ppl"]

@@ -210,10 +210,12 @@ def test_after_sigterm_the_cells_never_begun_are_not_started(
 
 
 def test_the_summary_counts_each_outcome_and_shows_the_rare_ones_only_when_they_happened() -> None:
-    cell = load_grid(ROOT / "grids" / "table1.yaml").cells("tiny")[0]
+    cells = load_grid(ROOT / "grids" / "table1.yaml").cells("tiny")
     statuses = ["finished", "resumed", "restarted", "restarted", "skipped", "busy", "failed", "not started"]
-    outcomes = [CellResult(cell, s) for s in statuses]
+    outcomes = [CellResult(cell, s) for cell, s in zip(cells, statuses)]
     assert summary_line(outcomes) == (
         "finished 1, resumed 1, restarted 2, skipped 1, busy 1, diverged 0, failed 1, not started 1"
     )
     assert summary_line(outcomes[:2]) == "finished 1, resumed 1, skipped 0, diverged 0, failed 0"
+    twin = CellResult(cells[0], "finished")  # a second row of the first cell's config: one cell
+    assert summary_line([*outcomes[:2], twin]) == summary_line(outcomes[:2])

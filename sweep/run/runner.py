@@ -62,9 +62,13 @@ def pin_threads() -> None:
 
 
 def quiet_lightning() -> None:
-    """Keep Lightning's banner lines and small-data warnings out of the sweep's log."""
+    """Keep Lightning's banner lines, small-data warnings and MLflow's logged tracebacks out of
+    the sweep's log."""
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # read when mlflow is imported
     logging.getLogger("mlflow").setLevel(logging.WARNING)
+    # The SQL store logs every database error with its traceback, then raises it as an
+    # MlflowException, which the sweep reports in one line (a cell's failure, a store gone).
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
     for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -377,6 +381,8 @@ def run_sweep(
 
 def summary_line(outcomes: list[CellResult]) -> str:
     """``finished 12, resumed 1, skipped 0, diverged 0, failed 0``, then ``restarted``, ``busy``,
-    ``killed`` and ``not started`` where some cell had them (in the order of ``Outcome.SUMMARY``)."""
-    counts = {s: sum(o.status == s for o in outcomes) for s in Outcome.SUMMARY}
+    ``killed`` and ``not started`` where some cell had them (in the order of ``Outcome.SUMMARY``).
+    Cells, not rows: two rows of one config (one ``run_key``) count once."""
+    once = list({o.cell.run_key: o for o in reversed(outcomes)}.values())  # the first row's outcome
+    counts = {s: sum(o.status == s for o in once) for s in Outcome.SUMMARY}
     return ", ".join(f"{k} {v}" for k, v in counts.items() if k not in Outcome.SUMMARY_IF_ANY or v)
