@@ -130,6 +130,27 @@ def test_the_network_namespace_reaches_not_even_the_hosts_loopback() -> None:
             server.accept()
 
 
+@pytest.mark.skipif(not sandbox.private_mounts(), reason="unshare cannot make a mount namespace here")
+@pytest.mark.parametrize(
+    "undo",
+    [
+        "import _io; _io.FileIO({target!r}, 'w').write(b'x')",  # the C open, past the guard's
+        "import sys; [sys.modules.pop(m, None) for m in ('subprocess', '_posixsubprocess', 'signal', "
+        "'_signal')]; import subprocess; subprocess.run(['/bin/sh', '-c', 'echo x > {target}'], check=True)",
+    ],
+)
+def test_code_that_undoes_the_guard_still_writes_nothing_outside_its_folder(
+    undo: str, problem: dict, tmp_path: Path
+) -> None:
+    """The kernel layer: in its own mount namespace every mount but the working folder is
+    read-only, so a write outside fails even where the Python guard was got round."""
+    target = tmp_path / "written.txt"
+    assert not passes(problem, completion(problem, undo.format(target=str(target))))
+    assert not target.exists()
+    inside = "open('mine.txt', 'w').write('x'); assert open('mine.txt').read() == 'x'"
+    assert passes(problem, completion(problem, inside))  # its own folder stays writable
+
+
 @pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs /proc")
 def test_a_completion_that_sleeps_forever_is_killed_at_the_timeout(problem: dict) -> None:
     marker = f"sleeper-{uuid.uuid4().hex}"

