@@ -68,24 +68,41 @@ def require_opt_in(what: str) -> None:
 @functools.cache
 def isolation() -> tuple[str, ...]:
     """The ``unshare`` command that puts a child in new namespaces here (the first of
-    :data:`NAMESPACES` under which Python runs), or ``()`` where none does. Probed once per
-    process (about 30 ms a try)."""
+    :data:`NAMESPACES` under which Python runs and, with ``--mount``, under which the file
+    system really turns read-only but for the working folder), or ``()`` where none does.
+    Probed once per process (about 30 ms a try)."""
     unshare = shutil.which("unshare")
     if unshare is None or not sys.platform.startswith("linux"):
         return ()
     for flags in NAMESPACES:
-        try:
-            done = subprocess.run(
-                [unshare, *flags, sys.executable, "-I", "-S", "-c", "pass"],
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                timeout=30,
-            )
-        except (OSError, subprocess.TimeoutExpired):
-            continue
+        with tempfile.TemporaryDirectory(prefix="humaneval-probe-") as work:
+            probe = f"{_guard_source()}\n{_READ_ONLY_PROBE}" if "--mount" in flags else "pass"
+            try:
+                done = subprocess.run(
+                    [unshare, *flags, sys.executable, "-I", "-S", "-c", probe],
+                    cwd=work,
+                    stdin=subprocess.DEVNULL,
+                    capture_output=True,
+                    timeout=30,
+                )
+            except (OSError, subprocess.TimeoutExpired):
+                continue
         if done.returncode == 0:
             return (unshare, *flags)
     return ()
+
+
+# Exits 0 only if, after read_only_except, the working folder takes a file and its parent not.
+_READ_ONLY_PROBE = """
+import errno, os
+read_only_except(os.path.realpath(os.getcwd()))
+open("inside", "w").close()
+try:
+    open(os.path.join("..", "outside-" + str(os.getpid())), "w").close()
+except OSError as err:
+    raise SystemExit(0 if err.errno == errno.EROFS else 1)
+raise SystemExit(1)
+"""
 
 
 def private_mounts() -> bool:
