@@ -20,6 +20,7 @@ LADDER ?=
 WORKERS ?= auto
 STORAGE ?=
 DASHBOARD_PORT ?= 8080
+RUNS ?=
 # A CPU build of torch here; any CUDA build >= 2.5 works elsewhere (TORCH_SPEC="torch" or preinstalled).
 # TORCH_SPEC only matters when .venv has no torch yet (`make clean` first to switch builds).
 TORCH_SPEC ?= torch==2.13.0
@@ -30,7 +31,7 @@ PY   := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS := --grid '$(GRID)' --scale '$(SCALE)' $(if $(SEEDS),--seeds '$(SEEDS)') $(if $(ROWS),--rows '$(ROWS)') $(if $(FORCE),--force)
 
-.PHONY: setup sweep eval tables init-table params tune stability dashboard throughput bench bench-moe gpu-check ui test lint clean
+.PHONY: setup sweep eval tables init-table params tune stability dashboard throughput bench bench-moe gpu-check compare ui ui-check test lint clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -83,8 +84,21 @@ bench bench-moe: throughput
 gpu-check: $(if $(GPU_PY),,$(STAMP))
 	$(or $(GPU_PY),$(PY)) -m sweep.gpu_check
 
+# the UI as a user sees it: headless Chromium (installed from Debian if missing) on the URL
+# `make ui` prints must show every cell run and Avg PPL; screenshot results/figures/ui_runs.png.
+# Slow (a browser, a server): not part of `make test`.
+ui-check: $(STAMP)
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
+	$(PY) -m sweep.ui_check --grid '$(GRID)' --scale '$(SCALE)'
+
+# two runs or two rows of GRID side by side: RUNS=baseline,sdpa_elementwise (row ids) or run ids
+compare: $(STAMP)
+	$(PY) -m sweep.browse compare --grid '$(GRID)' --scale '$(SCALE)' --runs '$(RUNS)'
+
+# prints the URL of GRID's runs at SCALE (the Runs tab, sorted by Avg PPL, a table's columns),
+# then serves the MLflow UI on the store with one worker
 ui: $(STAMP)
-	$(VENV)/bin/mlflow ui --backend-store-uri "$${MLFLOW_TRACKING_URI:-sqlite:///results/mlflow.db}" --host 127.0.0.1 --port $(PORT)
+	$(PY) -m sweep.browse ui --grid '$(GRID)' --scale '$(SCALE)' --port $(PORT)
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -32,6 +32,7 @@ from sweep.store_urls import (  # noqa: F401  (re-exported: the store's errors a
     sqlite_url,
     tracking_uri,
 )
+from sweep.ui_view import experiment_tags
 
 _MLFLOW_END = {Status.FINISHED: "FINISHED", Status.DIVERGED: "FINISHED", Status.KILLED: "KILLED"}
 
@@ -138,7 +139,9 @@ class Tracker:
                 if uri.startswith("sqlite:") and artifact_root is not None:
                     location = (artifact_root / experiment).resolve().as_uri()
                 try:
-                    self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
+                    self.experiment_id = self.client.create_experiment(
+                        experiment, artifact_location=location, tags=experiment_tags()
+                    )
                 except Exception:  # another driver created it a moment ago
                     found = self.client.get_experiment_by_name(experiment)
                     if found is None:
@@ -151,6 +154,10 @@ class Tracker:
         self._db_id = _file_id(self._db) if self._db else None
         if found is not None and found.lifecycle_stage == LifecycleStage.DELETED:
             self._restore()
+        if found is not None:  # an experiment made before the UI tags (sweep.ui_view)
+            for key, value in experiment_tags().items():
+                if found.tags.get(key) != value:
+                    self.client.set_experiment_tag(self.experiment_id, key, value)
 
     def check_store(self) -> None:
         """Fail on a SQLite store whose file was deleted (or replaced) since this tracker opened

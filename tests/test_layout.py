@@ -17,7 +17,7 @@ from conftest import ROOT
 
 PACKAGES = ("experiments", "sweep")
 JOBS = ("sweep.run", "sweep.report", "sweep.eval")
-ENTRY_POINTS = ("sweep.cli", "sweep.throughput", "sweep.gpu_check")
+ENTRY_POINTS = ("sweep.cli", "sweep.browse", "sweep.throughput", "sweep.gpu_check", "sweep.ui_check")
 MAX_LINES = 400
 
 

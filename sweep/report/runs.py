@@ -60,7 +60,27 @@ def _key(grid: Grid, scale: str, row: Row, seed: int) -> str:
     return run_key(grid.resolve(scale, row, seed))
 
 
-FRAME_COLUMNS = ["row", "label", "seed", "run_id", "status", "gate"]
+FRAME_COLUMNS = ["row", "label", "seed", "run_id", "status", "gate", "arithmetic"]
+
+
+def arithmetic(tags: dict[str, str]) -> str:
+    """What computed a run, as its tags say: ``cpu, 1 thread``, ``NVIDIA H200, 1 thread``; runs
+    from before the tags read ``unrecorded``. Two runs of one config agree to the last bit only
+    when this agrees (torch's CPU kernels split sums by thread)."""
+    if "device" not in tags:
+        return "unrecorded"
+    threads = tags.get("threads", "?")
+    return f"{tags['device']}, {threads} thread{'' if threads == '1' else 's'}"
+
+
+def one_arithmetic(runs: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``runs`` split into those of the most common :func:`arithmetic` (a tie: the one seen
+    first) and the others, which a table leaves out rather than mix numbers of different
+    arithmetic in one column."""
+    if runs.empty or runs["arithmetic"].nunique() <= 1:
+        return runs, runs.iloc[0:0]
+    kept = runs["arithmetic"].value_counts().index[0]
+    return runs[runs["arithmetic"] == kept], runs[runs["arithmetic"] != kept]
 
 
 def runs_frame(runs: list) -> pd.DataFrame:
@@ -76,6 +96,7 @@ def runs_frame(runs: list) -> pd.DataFrame:
             "run_id": r.info.run_id,
             "status": r.data.tags.get("status"),
             "gate": gate_signature(r.data.params),
+            "arithmetic": arithmetic(r.data.tags),
             **{current_key(k): v for k, v in r.data.metrics.items()},
         }
         for r in runs

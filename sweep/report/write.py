@@ -11,7 +11,7 @@ from sweep.report.curves import curves_markdown, mean_curves, metric_curves, sid
 from sweep.report.display import display_table, markdown
 from sweep.report.figures import draw_curve_figures, draw_figures
 from sweep.report.publish import Staging
-from sweep.report.runs import finished_runs
+from sweep.report.runs import finished_runs, one_arithmetic
 from sweep.report.tables import bench_columns, build_table
 from sweep.store import Tracker, experiment_name, tracking_uri
 
@@ -32,7 +32,7 @@ def write_tables(
     Returns:
         The written paths by extension (tables) and by name (figures).
     """
-    runs = finished_runs(grid, scale, results_dir, seeds)
+    runs, left_out = one_arithmetic(finished_runs(grid, scale, results_dir, seeds))
     tracker = Tracker(tracking_uri(results_dir), experiment_name(grid.name, scale))
     mean = mean_curves(metric_curves(runs, tracker.client), grid) if len(runs) else pd.DataFrame()
     table = build_table(grid, scale, runs)
@@ -43,7 +43,9 @@ def write_tables(
     stem = paths["md"].stem
     figures: dict[str, Path] = {}
     with Staging(results_dir) as staging:
-        staging.text(paths["md"], markdown(grid, scale, table, shown, command))
+        staging.text(
+            paths["md"], markdown(grid, scale, table, shown, command) + _left_out_note(runs, left_out)
+        )
         staging.text(paths["csv"], table.to_csv(index=False, float_format="%.6g"))
         staging.text(paths["tex"], shown.to_latex(index=False, escape=True))
         if not mean.empty:
@@ -61,3 +63,16 @@ def write_tables(
     tracker.log_files(report, list(paths.values()), "tables")
     tracker.log_files(report, list(figures.values()), "figures")
     return {**paths, **figures}
+
+
+def _left_out_note(runs: pd.DataFrame, left_out: pd.DataFrame) -> str:
+    """A line under the table naming the runs left out for their arithmetic (none: empty)."""
+    if left_out.empty:
+        return ""
+    cells = ", ".join(f"{r.row} s{r.seed} ({r.arithmetic})" for r in left_out.itertuples())
+    rows = ",".join(dict.fromkeys(left_out["row"]))
+    return (
+        f"\nLeft out, computed otherwise than the table's other runs ({runs['arithmetic'].iloc[0]}), "
+        f"whose numbers would differ beyond the last bits: {cells}. "
+        f"`make sweep FORCE=1 ROWS={rows}` retrains them here.\n"
+    )

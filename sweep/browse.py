@@ -1,0 +1,92 @@
+"""Looking at what a sweep tracked: ``python -m sweep.browse {ui,compare} ...`` (``make ui``,
+``make compare``).
+
+- ``ui``: tag the grid's experiment for the UI (``sweep.ui_view``), print the URL of its runs,
+  then serve ``mlflow ui`` on the store with one worker on up to 8 cores (MLflow's default of
+  four, each a whole copy of the app, starved a 2-core machine running a sweep). A tracking
+  server (``MLFLOW_TRACKING_URI=http...``) serves its UI already: only the URL is printed.
+- ``compare``: two runs or two rows side by side (``sweep.report.compare``).
+
+Exit status: 0 on success, 2 on bad input (grid, store, ``--runs``) with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from experiments.names import Kind
+from sweep.grid import load_grid
+from sweep.gridfile import GridError
+from sweep.report.compare import CompareError, load_side, write_compare
+from sweep.store import Tracker, TrackingError, experiment_name, tracking_uri
+from sweep.ui_view import runs_url
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sweep.browse", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, text in (
+        ("ui", "print the URL of the grid's runs in the MLflow UI, then serve the UI"),
+        ("compare", "two runs or rows side by side: config keys that differ, metrics, one figure"),
+    ):
+        s = sub.add_parser(name, help=text)
+        s.add_argument("--grid", default="grids/table1.yaml", help="grid YAML file")
+        s.add_argument("--scale", default="tiny", help="scale profile of the grid")
+        s.add_argument("--results", default="results", help="results folder (store, figures)")
+    sub.choices["ui"].add_argument("--port", type=int, default=5000, help="the UI's port on 127.0.0.1")
+    sub.choices["ui"].add_argument("--print-only", action="store_true", help="print the URL only")
+    sub.choices["compare"].add_argument("--runs", required=True, help="two run ids or row ids, a,b")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    results = Path(args.results)
+    try:
+        grid = load_grid(args.grid)
+        grid.cells(args.scale)  # the scale exists
+        uri = tracking_uri(results)
+        tracker = Tracker(uri, experiment_name(grid.name, args.scale), results / "mlartifacts")
+        if args.command == "compare":
+            return _compare(args.runs, grid, args.scale, results, tracker)
+        return _ui(uri, tracker, args.port, args.print_only)
+    except (GridError, TrackingError, CompareError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def _compare(runs: str, grid, scale: str, results: Path, tracker: Tracker) -> int:
+    """Raises:
+    CompareError: ``runs`` does not name two different rows or runs.
+    """
+    names = [n.strip() for n in runs.split(",") if n.strip()]
+    if len(names) != 2 or names[0] == names[1]:
+        raise CompareError(f"RUNS: give two different run ids or row ids, a,b; got {runs!r}")
+    a, b = (load_side(n, grid, scale, results, tracker.client) for n in names)
+    text, figure = write_compare(a, b, tracker.client, results)
+    print(f"{a.name} vs {b.name} ({grid.name}, scale {scale})\n\n{text}\nfigure: {figure}")
+    return 0
+
+
+def _ui(uri: str, tracker: Tracker, port: int, print_only: bool) -> int:
+    served = uri.startswith(("http://", "https://"))
+    base = uri if served else f"http://127.0.0.1:{port}"
+    runs = tracker.client.search_runs([tracker.experiment_id], f"tags.kind = '{Kind.CELL}'", max_results=5000)
+    url = runs_url(base, tracker.experiment_id)
+    print(f"experiment {tracker.experiment}: {len(runs)} cell run(s); open {url}")
+    print("  (cells another grid trained first are in that grid's experiment: make tables reads both)")
+    if served or print_only:
+        return 0
+    workers = 1 if (os.cpu_count() or 1) <= 8 else 4
+    command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--workers", str(workers)]
+    sys.stdout.flush()
+    os.execv(sys.executable, command)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""``make compare RUNS=a,b``: two runs, or two rows of a grid over their seeds, side by side. Only
+the configuration keys that differ are printed, then every summary metric of both with the
+difference (paired by seed, with a 95% t-interval from three seeds on), and one figure overlays
+their training loss and validation Avg PPL curves."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from experiments import names as N
+from experiments.config import to_dict
+from sweep.grid import Grid
+from sweep.report.display import fmt, markdown_table
+from sweep.report.figures import ema
+from sweep.report.publish import Staging
+from sweep.report.runs import finished_runs, runs_frame
+from sweep.report.tables import paired_delta
+from sweep.store import flatten
+
+#: Per-step series and bookkeeping: curves, not results (the figure shows the loss).
+_NOT_SUMMARY = ("train/", "moe/", "epoch", N.SPIKE)
+
+
+class CompareError(ValueError):
+    """A name in ``RUNS`` that is neither a row of the grid nor a run of the store."""
+
+
+@dataclass
+class Side:
+    """One side of a comparison: a row (its finished runs, one per seed) or a single run."""
+
+    name: str
+    config: dict[str, str]
+    """The flattened config (``model.gate.position``: ``sdpa``, ...), the seed left out."""
+    runs: pd.DataFrame
+    """:func:`sweep.report.runs.runs_frame` lines: ``seed``, ``run_id`` and every metric."""
+
+
+def load_side(name: str, grid: Grid, scale: str, results_dir: Path, client) -> Side:
+    """``name`` as a row id of ``grid`` (its finished runs at ``scale``, every seed) or as a run id
+    of the store (any experiment).
+
+    Raises:
+        CompareError: neither, or a row without a finished run; one line.
+    """
+    row = next((r for r in grid.rows if r.id == name), None)
+    if row is not None:
+        runs = finished_runs(grid, scale, results_dir)
+        runs = runs[runs["row"] == name]
+        if runs.empty:
+            raise CompareError(f"RUNS: row '{name}' of {grid.file} has no finished run at scale {scale}")
+        config = flatten(to_dict(grid.resolve(scale, row, 0)))
+    else:
+        try:
+            run = client.get_run(name)
+        except Exception:  # MLflow raises its own types for an unknown id
+            raise CompareError(
+                f"RUNS: '{name}' is neither a row of {grid.file} nor a run id of the tracking store"
+            ) from None
+        runs, config = runs_frame([run]), dict(run.data.params)
+    config.pop("seed", None)
+    return Side(name, config, runs.reset_index(drop=True))
+
+
+def config_diff(a: Side, b: Side) -> pd.DataFrame:
+    """The configuration keys whose values differ (or that one side lacks): ``key``, a, b."""
+    keys = sorted(k for k in a.config.keys() | b.config.keys() if a.config.get(k) != b.config.get(k))
+    return pd.DataFrame(
+        {
+            "key": keys,
+            a.name: [a.config.get(k, "—") for k in keys],
+            b.name: [b.config.get(k, "—") for k in keys],
+        }
+    )
+
+
+def summary_metrics(side: Side) -> list[str]:
+    """The side's result metrics: not per step (``train/``, ``moe/``) and not per layer."""
+    return [
+        c
+        for c in side.runs.columns
+        if "/" in c and not c.startswith(_NOT_SUMMARY) and N.LAYER_SEP not in c and side.runs[c].notna().any()
+    ]
+
+
+def metric_diff(a: Side, b: Side) -> pd.DataFrame:
+    """Every summary metric both sides have: mean ± std over seeds of each, and ``b - a``, paired
+    by seed where both have seeds in common (a 95% t-interval from three pairs), else the
+    difference of the means."""
+    lines = []
+    for key in sorted(set(summary_metrics(a)) & set(summary_metrics(b))):
+        va, vb = (s.runs.set_index("seed")[key].dropna() for s in (a, b))
+        d, lo, hi, pairs = paired_delta(vb, va)
+        if pairs == 0:
+            d = float(vb.mean() - va.mean())
+        lines.append(
+            {
+                "metric": key,
+                a.name: fmt(float(va.mean()), _std(va)),
+                b.name: fmt(float(vb.mean()), _std(vb)),
+                f"{b.name} − {a.name}": f"{d:+.3f}"
+                + (f" [{lo:+.3f}, {hi:+.3f}]" if not math.isnan(lo) else ""),
+                "seeds": f"{len(va)} / {len(vb)}" + (f" ({pairs} paired)" if pairs else ""),
+            }
+        )
+    return pd.DataFrame(lines)
+
+
+def _std(values: pd.Series) -> float:
+    return float(values.std()) if len(values) > 1 else math.nan
+
+
+def compare_figure(a: Side, b: Side, client) -> Figure:
+    """Training loss (EMA 0.9, nats) and validation Avg PPL against the step, every run of both
+    sides, one colour per side."""
+    fig = Figure(figsize=(11, 4), layout="constrained")
+    loss_ax, val_ax = fig.subplots(1, 2)
+    for side, color in ((a, "tab:gray"), (b, "tab:red")):
+        for i, run in enumerate(side.runs.itertuples()):
+            label = (
+                f"{side.name} ({len(side.runs)} run{'s' if len(side.runs) > 1 else ''})" if i == 0 else None
+            )
+            for ax, key, smooth in ((loss_ax, N.TRAIN_LOSS, ema), (val_ax, N.VAL_PPL_AVG, np.asarray)):
+                points = sorted(client.get_metric_history(run.run_id, key), key=lambda m: m.step)
+                steps, values = [m.step for m in points], np.array([m.value for m in points])
+                ax.plot(
+                    steps,
+                    smooth(values),
+                    color=color,
+                    alpha=0.8,
+                    lw=1.2,
+                    label=label,
+                    marker="o" if ax is val_ax else None,
+                    ms=3,
+                )
+    loss_ax.set(xlabel="step", ylabel="training loss (nats, EMA 0.9)", title="Training loss")
+    val_ax.set(xlabel="step", ylabel="validation Avg PPL", title="Validation Avg PPL", yscale="log")
+    loss_ax.legend(fontsize=8)
+    return fig
+
+
+def write_compare(a: Side, b: Side, client, results_dir: Path) -> tuple[str, Path]:
+    """The comparison as Markdown (config keys that differ, then the metrics) and its figure at
+    ``results/figures/compare_<a>_<b>.png``; returns both."""
+    diff = config_diff(a, b)
+    keys = markdown_table(diff) if len(diff) else "(none: the same configuration)"
+    metrics = metric_diff(a, b)
+    text = (
+        f"Configuration keys that differ ({len(diff)}):\n\n{keys}\n\n"
+        f"Metrics (mean ± std over runs; the difference is paired by seed):\n\n"
+        f"{markdown_table(metrics) if len(metrics) else '(no metric both have)'}\n"
+    )
+    path = results_dir / "figures" / f"compare_{_file_part(a.name)}_{_file_part(b.name)}.png"
+    with Staging(results_dir) as staging:
+        staging.figure(path, compare_figure(a, b, client))
+    return text, path
+
+
+def _file_part(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "_-" else "_" for c in name)[:40]
