@@ -126,9 +126,11 @@ def compare_figure(a: Side, b: Side, client) -> Figure:
             label = (
                 f"{side.name} ({len(side.runs)} run{'s' if len(side.runs) > 1 else ''})" if i == 0 else None
             )
+            older = client.get_run(run.run_id).data.tags.get(N.METRIC_STEPS_TAG) != N.METRIC_STEPS_UPDATES
             for ax, key, smooth in ((loss_ax, N.TRAIN_LOSS, ema), (val_ax, N.VAL_PPL_AVG, np.asarray)):
                 points = sorted(client.get_metric_history(run.run_id, key), key=lambda m: m.step)
-                steps, values = [m.step for m in points], np.array([m.value for m in points])
+                shift = 1 if older and key == N.VAL_PPL_AVG else 0  # validations logged one step low
+                steps, values = [m.step + shift for m in points], np.array([m.value for m in points])
                 ax.plot(
                     steps,
                     smooth(values),
