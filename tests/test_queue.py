@@ -17,7 +17,8 @@ from mlflow.entities import ViewType
 from sweep.cli import main
 from sweep.grid import Grid, load_grid
 from sweep.run.interrupt import StopRequest
-from sweep.run.queue import Queue, enqueue_cells, open_queue, pop_cell, record, run_worker
+from sweep.run.queue import Queue, enqueue_cells, open_queue, pop_cell, queue_outcomes, record, run_worker
+from sweep.run.resume import worker_name
 from sweep.run.runner import SweepContext, prepare_sweep
 from sweep.studies import storage_url
 from tests.conftest import LONG_MICRO, LONG_STEPS, MICRO, ROOT, start_slow_cli, wait_for_checkpoint
@@ -180,6 +181,20 @@ def test_a_cell_enqueued_twice_is_trained_once(repo_cache: None, tmp_path: Path)
     assert younger.user_attrs["note"] == "trial 0 has this cell"
     assert retry.system_attrs["failed_trial"] == 0 and retry.user_attrs["outcome"] == "finished"
     assert len(all_cell_runs(results)) == 1
+
+
+def test_a_cell_another_sweeps_worker_trained_counts_as_skipped_in_this_sweeps_summary(
+    repo_cache: None, tmp_path: Path
+) -> None:
+    """Two sweeps on one queue: each summary counts what its own workers did."""
+    q = queued(tmp_path, MICRO, "baseline")
+    wanted = enqueue_cells(q.queue, q.cells, q.ctx, force=False)
+    quiet = lambda _line: None  # noqa: E731
+    run_worker(q.grid, q.cells, q.results, q.url, 1, ROOT / ".cache", StopRequest(), out=quiet)
+    (mine,) = queue_outcomes(q.queue, q.cells, wanted, q.ctx, own={worker_name()})
+    (theirs,) = queue_outcomes(q.queue, q.cells, wanted, q.ctx, own={"elsewhere:1"})
+    assert mine.status == "finished"
+    assert theirs.status == "skipped" and theirs.note == f"finished by another sweep's worker {worker_name()}"
 
 
 def test_a_killed_cell_goes_back_into_the_queue_and_a_lapsed_trial_is_not_overwritten(

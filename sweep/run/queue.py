@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -263,15 +264,18 @@ def run_queued_sweep(
     for i, p in enumerate(procs):
         if p.returncode not in (0, 1, 130, 143):
             out(f"worker {i} (pid {p.pid}) exited with status {p.returncode}")
-    return queue_outcomes(queue, cells, wanted, ctx)
+    own = {f"{socket.gethostname()}:{p.pid}" for p in procs}
+    return queue_outcomes(queue, cells, wanted, ctx, own)
 
 
 def queue_outcomes(
-    queue: Queue, cells: list[Cell], wanted: dict[str, int], ctx: SweepContext
+    queue: Queue, cells: list[Cell], wanted: dict[str, int], ctx: SweepContext, own: set[str] | None = None
 ) -> list[CellResult]:
     """One outcome per cell: skipped (a result before this sweep), or the last
     outcome a worker recorded on one of its trials from ``wanted[run_key]`` on (trial numbers,
-    not clocks: the workers may be on other machines)."""
+    not clocks: the workers may be on other machines). With ``own`` (this sweep's workers,
+    ``host:pid``), a cell another sweep's worker took reads ``skipped``, its note saying who and
+    what: the summary counts what this sweep did."""
     last: dict[str, FrozenTrial] = {}
     for t in queue.study.get_trials(deepcopy=False):  # in trial-number order
         key, recorded = t.user_attrs.get("run_key"), t.user_attrs.get("outcome")
@@ -284,7 +288,12 @@ def queue_outcomes(
             outcomes.append(CellResult(cell, Outcome.SKIPPED, note="finished earlier"))
         elif cell.run_key in last:
             t = last[cell.run_key]
-            outcomes.append(CellResult(cell, t.user_attrs["outcome"], note=t.user_attrs.get("note", "")))
+            worker, outcome = t.user_attrs.get("worker", "?"), t.user_attrs["outcome"]
+            if own is not None and worker not in own:
+                note = f"{outcome} by another sweep's worker {worker}"
+                outcomes.append(CellResult(cell, Outcome.SKIPPED, note=note))
+            else:
+                outcomes.append(CellResult(cell, outcome, note=t.user_attrs.get("note", "")))
         elif ctx.tracker.done_run(cell.run_key) is not None:
             outcomes.append(CellResult(cell, Outcome.SKIPPED, note="finished by another sweep"))
         elif ctx.stop.signum is not None:
