@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         tracker = Tracker(uri, experiment_name(grid.name, args.scale), results / "mlartifacts")
         if args.command == "compare":
             return _compare(args.runs, grid, args.scale, results, tracker)
-        return _ui(uri, tracker, args.port, args.print_only)
+        return _ui(uri, tracker, grid, args.scale, args.port, args.print_only)
     except (GridError, TrackingError, CompareError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -71,19 +71,28 @@ def _compare(runs: str, grid, scale: str, results: Path, tracker: Tracker) -> in
     return 0
 
 
-def _ui(uri: str, tracker: Tracker, port: int, print_only: bool) -> int:
+def _ui(uri: str, tracker: Tracker, grid, scale: str, port: int, print_only: bool) -> int:
     served = uri.startswith(("http://", "https://"))
     base = uri if served else f"http://127.0.0.1:{port}"
     runs = tracker.client.search_runs([tracker.experiment_id], f"tags.kind = '{Kind.CELL}'", max_results=5000)
     url = runs_url(base, tracker.experiment_id)
     print(f"experiment {tracker.experiment}: {len(runs)} cell run(s); open {url}")
-    print("  (cells another grid trained first are in that grid's experiment: make tables reads both)")
+    elsewhere = [
+        c
+        for c in grid.cells(scale)
+        if (run := tracker.done_run(c.run_key)) and run.info.experiment_id != tracker.experiment_id
+    ]
+    if elsewhere:
+        rows = ", ".join(dict.fromkeys(c.row.id for c in elsewhere))
+        print(f"  {len(elsewhere)} of its cells were trained for another grid first (rows {rows}):")
+        print("  they show in that grid's experiment; make tables reads them")
     if served or print_only:
         return 0
     workers = 1 if (os.cpu_count() or 1) <= 8 else 4
     command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1"]
     command += ["--port", str(port), "--workers", str(workers)]
     sys.stdout.flush()
+    os.environ["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"  # no job runner and its 8 consumers
     os.execv(sys.executable, command)
     return 0  # not reached
 

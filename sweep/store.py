@@ -287,6 +287,8 @@ class Tracker:
         from mlflow.entities import Param
 
         params = [Param(k, v[:6000]) for k, v in flatten(to_dict(cell.config)).items()]
+        if cell.config.model.moe is None:  # what match_params left, which no config key holds
+            params.append(Param("model.ffn_dim_effective", str(cell.config.model.effective_ffn_dim())))
         for i in range(0, len(params), 100):
             self.client.log_batch(run_id, params=params[i : i + 100])
         with tempfile.TemporaryDirectory() as tmp:

@@ -13,6 +13,8 @@ import pytest
 from mlflow import MlflowClient
 
 from sweep.browse import main
+from sweep.grid import load_grid
+from tests.conftest import ROOT
 
 
 def _compare(micro: dict, runs: str, capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
@@ -41,7 +43,7 @@ def test_two_rows_show_just_the_gate_keys_and_the_metric_differences(
     a, b = table.loc["baseline", "avg_ppl"], table.loc["sdpa_elementwise", "avg_ppl"]
     assert metrics["val/ppl/avg"][0] == f"{a:.3f}" and metrics["val/ppl/avg"][1] == f"{b:.3f}"
     assert float(metrics["val/ppl/avg"][2]) == pytest.approx(b - a, abs=1e-3)
-    assert metrics["val/ppl/avg"][3] == "1 / 1 (1 paired)"
+    assert metrics["val/ppl/avg"][3] == "1 paired"
     assert "gate/score_mean" not in metrics  # the baseline has no gate: not a metric of both
     assert not any(".layer_" in k or k.startswith("train/") for k in metrics)
     figure = micro["results"] / "figures" / "compare_baseline_sdpa_elementwise.png"
@@ -59,7 +61,9 @@ def test_two_run_ids_compare_the_same_way(micro: dict, capsys: pytest.CaptureFix
     code, out, _ = _compare(micro, f"{by_row['baseline']},{by_row['moe']}", capsys)
     assert code == 0
     keys = {row[0] for row in _table(out, "Configuration keys that differ")}
-    assert keys and all(k.startswith("model.moe") for k in keys)
+    assert "model.moe.n_experts" in keys and all(
+        k.startswith("model.moe") for k in keys - {"model.ffn_dim_effective"}
+    )
     assert f"figure: {Path(micro['results']) / 'figures'}/compare_{by_row['baseline']}" in out
 
 
@@ -111,8 +115,9 @@ def test_a_table_never_mixes_runs_computed_with_different_thread_counts() -> Non
     )
     kept, left_out = one_arithmetic(runs)
     assert list(kept.index) == [0, 1, 3] and list(left_out.index) == [2]
-    note = _left_out_note(kept, left_out)
+    grid = load_grid(ROOT / "grids" / "table1.yaml")
+    note = _left_out_note(grid, "tiny", kept, left_out)
     assert "baseline s1 (cpu, 2 threads)" in note and "(cpu, 1 thread)" in note
-    assert "`make sweep FORCE=1 ROWS=baseline`" in note
+    assert f"`make sweep GRID={grid.file} SCALE=tiny ROWS=baseline SEEDS=2 FORCE=1`" in note
     same, none = one_arithmetic(runs.iloc[[0, 1, 3]])
-    assert len(same) == 3 and none.empty and _left_out_note(same, none) == ""
+    assert len(same) == 3 and none.empty and _left_out_note(grid, "tiny", same, none) == ""

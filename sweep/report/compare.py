@@ -19,10 +19,13 @@ from sweep.grid import Grid
 from sweep.report.display import fmt, markdown_table
 from sweep.report.figures import ema
 from sweep.report.publish import Staging
-from sweep.report.runs import finished_runs, runs_frame
+from sweep.report.runs import finished_runs, one_arithmetic, runs_frame
 from sweep.report.tables import paired_delta
 from sweep.store import flatten
 
+#: The FFN width after ``match_params`` (``ModelConfig.effective_ffn_dim``): a param of every
+#: dense cell run (``sweep.store.Tracker.start_cell``), computed here for a row.
+EFFECTIVE_FFN = "model.ffn_dim_effective"
 #: Per-step series and bookkeeping: curves, not results (the figure shows the loss).
 _NOT_SUMMARY = ("train/", "moe/", "epoch", N.SPIKE)
 
@@ -40,6 +43,8 @@ class Side:
     """The flattened config (``model.gate.position``: ``sdpa``, ...), the seed left out."""
     runs: pd.DataFrame
     """:func:`sweep.report.runs.runs_frame` lines: ``seed``, ``run_id`` and every metric."""
+    note: str = ""
+    """Runs left out for their arithmetic (:func:`sweep.report.runs.one_arithmetic`), if any."""
 
 
 def load_side(name: str, grid: Grid, scale: str, results_dir: Path, client) -> Side:
@@ -55,7 +60,10 @@ def load_side(name: str, grid: Grid, scale: str, results_dir: Path, client) -> S
         runs = runs[runs["row"] == name]
         if runs.empty:
             raise CompareError(f"RUNS: row '{name}' of {grid.file} has no finished run at scale {scale}")
-        config = flatten(to_dict(grid.resolve(scale, row, 0)))
+        resolved = grid.resolve(scale, row, 0)
+        config = flatten(to_dict(resolved))
+        if resolved.model.moe is None:  # the width match_params leaves, not only the one asked for
+            config[EFFECTIVE_FFN] = str(resolved.model.effective_ffn_dim())
     else:
         try:
             run = client.get_run(name)
@@ -65,7 +73,13 @@ def load_side(name: str, grid: Grid, scale: str, results_dir: Path, client) -> S
             ) from None
         runs, config = runs_frame([run]), dict(run.data.params)
     config.pop("seed", None)
-    return Side(name, config, runs.reset_index(drop=True))
+    runs, left_out = one_arithmetic(runs)
+    note = ""
+    if not left_out.empty:
+        seeds = ", ".join(f"s{seed}" for seed in left_out["seed"])
+        kept, other = runs["arithmetic"].iloc[0], left_out["arithmetic"].iloc[0]
+        note = f"{name}: left out {seeds}, computed as {other}, not {kept} like the rest"
+    return Side(name, config, runs.reset_index(drop=True), note)
 
 
 def config_diff(a: Side, b: Side) -> pd.DataFrame:
@@ -90,23 +104,30 @@ def summary_metrics(side: Side) -> list[str]:
 
 
 def metric_diff(a: Side, b: Side) -> pd.DataFrame:
-    """Every summary metric both sides have: mean ± std over seeds of each, and ``b - a``, paired
-    by seed where both have seeds in common (a 95% t-interval from three pairs), else the
-    difference of the means."""
+    """Every summary metric both sides have (``val/*`` first): mean ± std over seeds of each, and
+    ``b - a``. Where the sides share seeds, both means and the difference are over those seeds
+    alone, paired (a 95% t-interval from three pairs); else over every run of each side."""
     lines = []
-    for key in sorted(set(summary_metrics(a)) & set(summary_metrics(b))):
+    keys = sorted(
+        set(summary_metrics(a)) & set(summary_metrics(b)), key=lambda k: (not k.startswith("val/"), k)
+    )
+    for key in keys:
         va, vb = (s.runs.set_index("seed")[key].dropna() for s in (a, b))
+        shared = va.index.intersection(vb.index)
+        if len(shared):
+            va, vb = va.loc[shared], vb.loc[shared]
         d, lo, hi, pairs = paired_delta(vb, va)
         if pairs == 0:
             d = float(vb.mean() - va.mean())
+        digits = 0 if key.startswith("params/") else 3
         lines.append(
             {
                 "metric": key,
-                a.name: fmt(float(va.mean()), _std(va)),
-                b.name: fmt(float(vb.mean()), _std(vb)),
-                f"{b.name} − {a.name}": f"{d:+.3f}"
+                a.name: fmt(float(va.mean()), _std(va), digits),
+                b.name: fmt(float(vb.mean()), _std(vb), digits),
+                f"{b.name} − {a.name}": f"{d:+.{digits}f}"
                 + (f" [{lo:+.3f}, {hi:+.3f}]" if not math.isnan(lo) else ""),
-                "seeds": f"{len(va)} / {len(vb)}" + (f" ({pairs} paired)" if pairs else ""),
+                "seeds": f"{pairs} paired" if pairs else f"{len(va)} / {len(vb)}, none shared",
             }
         )
     return pd.DataFrame(lines)
@@ -142,7 +163,7 @@ def compare_figure(a: Side, b: Side, client) -> Figure:
                     ms=3,
                 )
     loss_ax.set(xlabel="step", ylabel="training loss (nats, EMA 0.9)", title="Training loss")
-    val_ax.set(xlabel="step", ylabel="validation Avg PPL", title="Validation Avg PPL", yscale="log")
+    val_ax.set(xlabel="step", ylabel="validation Avg PPL", title="Validation Avg PPL")
     loss_ax.legend(fontsize=8)
     return fig
 
@@ -153,9 +174,10 @@ def write_compare(a: Side, b: Side, client, results_dir: Path) -> tuple[str, Pat
     diff = config_diff(a, b)
     keys = markdown_table(diff) if len(diff) else "(none: the same configuration)"
     metrics = metric_diff(a, b)
+    notes = "".join(f"Note: {side.note}\n\n" for side in (a, b) if side.note)
     text = (
-        f"Configuration keys that differ ({len(diff)}):\n\n{keys}\n\n"
-        f"Metrics (mean ± std over runs; the difference is paired by seed):\n\n"
+        notes + f"Configuration keys that differ ({len(diff)}):\n\n{keys}\n\n"
+        f"Metrics (mean ± std over the seeds both have, paired, else over every run):\n\n"
         f"{markdown_table(metrics) if len(metrics) else '(no metric both have)'}\n"
     )
     path = results_dir / "figures" / f"compare_{_file_part(a.name)}_{_file_part(b.name)}.png"

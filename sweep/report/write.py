@@ -33,6 +33,9 @@ def write_tables(
         The written paths by extension (tables) and by name (figures).
     """
     runs, left_out = one_arithmetic(finished_runs(grid, scale, results_dir, seeds))
+    left_note = _left_out_note(grid, scale, runs, left_out)
+    if left_note:
+        print(f"note: {left_note.strip()}")
     tracker = Tracker(tracking_uri(results_dir), experiment_name(grid.name, scale))
     mean = mean_curves(metric_curves(runs, tracker.client), grid) if len(runs) else pd.DataFrame()
     table = build_table(grid, scale, runs)
@@ -43,9 +46,7 @@ def write_tables(
     stem = paths["md"].stem
     figures: dict[str, Path] = {}
     with Staging(results_dir) as staging:
-        staging.text(
-            paths["md"], markdown(grid, scale, table, shown, command) + _left_out_note(runs, left_out)
-        )
+        staging.text(paths["md"], markdown(grid, scale, table, shown, command) + left_note)
         staging.text(paths["csv"], table.to_csv(index=False, float_format="%.6g"))
         staging.text(paths["tex"], shown.to_latex(index=False, escape=True))
         if not mean.empty:
@@ -65,14 +66,17 @@ def write_tables(
     return {**paths, **figures}
 
 
-def _left_out_note(runs: pd.DataFrame, left_out: pd.DataFrame) -> str:
-    """A line under the table naming the runs left out for their arithmetic (none: empty)."""
+def _left_out_note(grid: Grid, scale: str, runs: pd.DataFrame, left_out: pd.DataFrame) -> str:
+    """A line under the table naming the runs left out for their arithmetic, with the command
+    that retrains them (none left out: empty)."""
     if left_out.empty:
         return ""
     cells = ", ".join(f"{r.row} s{r.seed} ({r.arithmetic})" for r in left_out.itertuples())
     rows = ",".join(dict.fromkeys(left_out["row"]))
+    seeds = int(left_out["seed"].max()) + 1
+    retrain = f"make sweep GRID={grid.file} SCALE={scale} ROWS={rows} SEEDS={seeds} FORCE=1"
+    kept = runs["arithmetic"].iloc[0]
     return (
-        f"\nLeft out, computed otherwise than the table's other runs ({runs['arithmetic'].iloc[0]}), "
-        f"whose numbers would differ beyond the last bits: {cells}. "
-        f"`make sweep FORCE=1 ROWS={rows}` retrains them here.\n"
+        f"\nLeft out: {cells}: computed otherwise than the table's other runs ({kept}), so their "
+        f"numbers would not compare to the last digits. `{retrain}` retrains them here.\n"
     )
