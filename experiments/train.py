@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 
 from experiments import names as N
 from experiments.checkpointing import AtomicCheckpointIO, PeriodicCheckpoint
@@ -92,6 +93,19 @@ class Training:
         if checkpoints is not None and cfg.train.checkpoint_every:
             callbacks.append(PeriodicCheckpoint(checkpoints, cfg.train.checkpoint_every))
         self.trainer = build_trainer(cfg.train, logger, callbacks)
+
+    def start_from(self, weights: Path) -> None:
+        """Start from the weights of a finished run (a later training stage, Table 5's continued
+        long-context training): ``weights`` is a :meth:`save_weights` file whose model has the
+        same parameter shapes. Only the weights carry over; the optimiser, the LR schedule and the
+        step count start afresh. Call before :meth:`fit` (a resumed fit then restores its own).
+
+        Raises:
+            FileNotFoundError: no such file.
+            RuntimeError: the weights do not fit this model (torch's ``load_state_dict``).
+        """
+        state = torch.load(weights, map_location="cpu", weights_only=True)["state_dict"]
+        self.module.load_state_dict(state)
 
     def fit(self, resume_from: Path | None = None) -> None:
         """Train to ``train.max_steps``, from step 0 or from a ``step<N>.ckpt`` training state.

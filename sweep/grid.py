@@ -65,6 +65,12 @@ class Row:
     paper_table: str | None = None
     """The paper table ``paper_row`` refers to, when not the grid's: a control row of Table 1
     whose paper figures are in Table 4, say."""
+    parent: str | None = None
+    """A later training stage: this row starts from the finished weights of row ``parent``'s cell
+    of the same scale and seed (a new optimiser, its own steps and LR schedule), and its
+    overrides apply on top of the parent row's, so ``seq_len: x4`` is four times the parent's
+    context. Only ``model.rope_theta`` and ``model.max_seq_len`` may differ from the parent's
+    model (the weights must fit). Table 5's continued long-context training (Section 4.4)."""
     model: dict[str, Any] = field(default_factory=dict)
     train: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)
@@ -153,6 +159,8 @@ class Cell:
     seed: int
     config: RunConfig
     run_key: str
+    parent: Cell | None = None
+    """The cell whose finished weights this one starts from (``Row.parent``), else None."""
 
 
 @dataclass
@@ -195,14 +203,27 @@ class Grid:
                 return from_dict(RunConfig, {**merged, "seed": seed})
             except ConfigError as err:
                 raise GridError(self.file, err.message, path=f"scales.{scale}.{err.path}") from None
-        merged = deep_merge(merged, row.overrides, "", row=row.id, file=self.file)
+        for stage in self.lineage(row):  # a later stage builds on its parent rows' overrides
+            merged = deep_merge(merged, stage.overrides, "", row=stage.id, file=self.file)
         try:
             return from_dict(RunConfig, {**merged, "seed": seed})
         except ConfigError as err:
             raise GridError(self.file, f"{err.message} (at scale '{scale}')", row.id, err.path) from None
 
+    def row(self, row_id: str) -> Row:
+        """The row named ``row_id`` (KeyError if none)."""
+        return next(r for r in self.rows if r.id == row_id)
+
+    def lineage(self, row: Row) -> list[Row]:
+        """``row`` and its parent rows, the first stage first (a row without ``parent``: just it)."""
+        chain = [row]
+        while chain[0].parent is not None:
+            chain.insert(0, self.row(chain[0].parent))
+        return chain
+
     def cells(self, scale: str, seeds: list[int] | None = None, rows: list[str] | None = None) -> list[Cell]:
-        """Every (row, seed) cell of ``scale``, validated, in the grid's row order.
+        """Every (row, seed) cell of ``scale``, validated, in the grid's row order. A chosen later
+        stage brings its parent rows' cells along (it cannot train without them).
 
         Raises:
             GridError: unknown scale or row id, or any invalid cell.
@@ -219,12 +240,17 @@ class Grid:
                 raise GridError(
                     self.file, f"unknown row id(s) {', '.join(unknown)}; known: {', '.join(self.row_ids())}"
                 )
-            chosen = [r for r in self.rows if r.id in rows]
-        out = []
-        for row in chosen:
+            needed = {stage.id for rid in rows for stage in self.lineage(self.row(rid))}
+            chosen = [r for r in self.rows if r.id in needed]
+        out: list[Cell] = []
+        by_row: dict[tuple[str, int], Cell] = {}
+        for row in chosen:  # parents come first: load_grid checks each is an earlier row
             for seed in seeds if seeds is not None else self.seeds:
                 cfg = self.resolve(scale, row, seed)
-                out.append(Cell(self.name, scale, row, seed, cfg, run_key(cfg)))
+                parent = by_row[(row.parent, seed)] if row.parent is not None else None
+                cell = Cell(self.name, scale, row, seed, cfg, run_key(cfg, parent), parent)
+                by_row[(row.id, seed)] = cell
+                out.append(cell)
         return out
 
     @staticmethod
@@ -257,17 +283,20 @@ class Grid:
         return self.resolve(scale, self.reference(row), 0)
 
 
-def run_key(cfg: RunConfig) -> str:
+def run_key(cfg: RunConfig, parent: Cell | None = None) -> str:
     """16 hex chars of sha256 over the canonical JSON of the resolved config (seed included, the
     placement fields ``TrainConfig.PLACEMENT`` and later options at their defaults left out:
     ``experiments.strict.identity_dict``) and the corpus recipe hash (which also
-    covers source pins and the stdlib's Python version).
+    covers source pins and the stdlib's Python version); for a later stage, also its parent
+    cell's run key (another parent, another run).
 
     Two grids that resolve a cell to the same config share its run: it is trained once."""
     config = identity_dict(cfg)
     for name in TrainConfig.PLACEMENT:
         del config["train"][name]
-    payload = {"config": config, "corpus": recipe_hash(cfg.data)}
+    payload: dict[str, Any] = {"config": config, "corpus": recipe_hash(cfg.data)}
+    if parent is not None:  # only stages: every existing run key stays as it was
+        payload["parent"] = parent.run_key
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -334,6 +363,10 @@ def load_grid(file: str | Path) -> Grid:
             raise GridError(file, f"names no scale of the grid: '{scale}'", path="eval.scales")
     if spec.baseline_row not in ids:
         raise GridError(file, f"names no row of the grid: '{spec.baseline_row}'", path="baseline_row")
+    for i, row in enumerate(spec.rows):
+        if row.parent is not None and row.parent not in ids[:i]:
+            why = "is this row" if row.parent == row.id else "is no earlier row of the grid"
+            raise GridError(file, f"'{row.parent}' {why} (a stage follows its parent)", row.id, "parent")
     for row in spec.rows:
         if row.compare_to is not None and row.compare_to not in ids:
             raise GridError(file, f"names no row of the grid: '{row.compare_to}'", row.id, "compare_to")
@@ -361,6 +394,8 @@ def load_grid(file: str | Path) -> Grid:
     )
     for scale in grid.scales:
         for cell in grid.cells(scale):
+            if cell.parent is not None:
+                check_stage(grid, cell)
             if grid.lr_ladder and grid.lr_ladder[0] < cell.config.train.min_lr:
                 low, min_lr = grid.lr_ladder[0], cell.config.train.min_lr
                 raise GridError(
@@ -370,6 +405,28 @@ def load_grid(file: str | Path) -> Grid:
                     "lr_ladder",
                 )
     return grid
+
+
+#: What a later stage may change in its parent's model: the weights stay the same shapes.
+STAGE_MODEL_KEYS = ("rope_theta", "max_seq_len")
+
+
+def check_stage(grid: Grid, cell: Cell) -> None:
+    """A stage's model must load its parent's weights: only :data:`STAGE_MODEL_KEYS` may differ.
+
+    Raises:
+        GridError: naming the row and the first other ``model.<key>`` that differs.
+    """
+    mine, theirs = to_dict(cell.config.model), to_dict(cell.parent.config.model)
+    for key in mine:
+        if key not in STAGE_MODEL_KEYS and mine[key] != theirs[key]:
+            raise GridError(
+                grid.file,
+                f"a stage may change only {' and '.join(STAGE_MODEL_KEYS)} of its parent's model "
+                f"(the weights carry over): {theirs[key]!r} -> {mine[key]!r} (at scale '{cell.scale}')",
+                cell.row.id,
+                f"model.{key}",
+            )
 
 
 def _grid_error(file: Path, raw: dict, err: ConfigError) -> GridError:

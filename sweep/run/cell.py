@@ -36,6 +36,7 @@ def train_cell(
     extra_callbacks: list[pl.Callback] | None = None,
     resume_from: Path | None = None,
     replayed: dict[str, int] | None = None,
+    start_weights: Path | None = None,
 ) -> dict[str, float]:
     """Train one cell into MLflow run ``run_id``, probe it, and return its final metrics.
 
@@ -51,7 +52,8 @@ def train_cell(
     ``extra_callbacks`` join the trainer's (the LR search's pruning callback, say); whatever they
     raise ends the cell and propagates. ``resume_from`` continues from a training checkpoint
     (``step<N>.ckpt``); ``replayed`` (metric key -> highest step already in the run) keeps the
-    replayed steps from being logged twice.
+    replayed steps from being logged twice. ``start_weights`` (a later stage's parent's
+    ``final.ckpt``) are the weights a fit from step 0 starts from; a resumed fit restores its own.
 
     Raises:
         experiments.stability.Diverged: the loss diverged; the last periodic checkpoint stays.
@@ -76,6 +78,8 @@ def train_cell(
             """A resumed run replays its end: a key already logged at ``step`` is not logged again."""
             tracker.log_metrics(run_id, {k: v for k, v in metrics.items() if logged.get(k, -1) < step}, step)
 
+        if start_weights is not None and resume_from is None:
+            run.start_from(start_weights)
         try:
             run.fit(resume_from)
         finally:  # diverged or not, the spikes seen so far are data

@@ -108,14 +108,21 @@ def enqueue_cells(queue: Queue, cells: list[Cell], ctx: SweepContext, force: boo
     return wanted
 
 
-def pop_cell(queue: Queue, known: set[str]) -> FrozenTrial | None:
+def pop_cell(queue: Queue, known: set[str], parents: dict[str, str] | None = None) -> FrozenTrial | None:
     """Take one WAITING trial of a cell in ``known`` (set it RUNNING); None when there is none.
+    A later stage (``parents``: its run key -> its parent's) waits while its parent's cell is
+    still queued or training.
 
     ``set_trial_state_values(RUNNING)`` returns False for every process but the first, so one
     trial goes to exactly one worker (the same check-and-set as ``Study.ask``). Its first
     heartbeat is recorded at once: Optuna never fails a RUNNING trial that has none."""
+    parents = parents or {}
+    pending = {t.user_attrs.get("run_key") for t in queue.in_flight()} if parents else set()
     for trial in queue.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
-        if trial.user_attrs.get("run_key") not in known:  # a cell of another version of the grid
+        key = trial.user_attrs.get("run_key")
+        if key not in known:  # a cell of another version of the grid
+            continue
+        if parents.get(key) in pending:  # its parent stage has not ended yet
             continue
         trial_id = queue.trial_id(trial)
         try:
@@ -182,12 +189,13 @@ def run_worker(
     by_key: dict[str, Cell] = {}  # the first cell of each config, as the driver enqueued it
     for cell in cells:
         by_key.setdefault(cell.run_key, cell)
+    parents = {c.run_key: c.parent.run_key for c in cells if c.parent is not None}
     clock = SweepClock(len(by_key))
     me = worker_name()
     outcomes: list[CellResult] = []
     while stop.signum is None:
         optuna.storages.fail_stale_trials(queue.study)  # a dead worker's cell goes back as WAITING
-        trial = pop_cell(queue, set(by_key))
+        trial = pop_cell(queue, set(by_key), parents)
         if trial is None:
             if not any(t.user_attrs.get("run_key") in by_key for t in queue.in_flight()):
                 break

@@ -16,7 +16,7 @@ import torch
 from mlflow.exceptions import MlflowException
 
 from experiments import names as N
-from experiments.checkpointing import drop_step_checkpoints, latest_checkpoint
+from experiments.checkpointing import FINAL_CHECKPOINT, drop_step_checkpoints, latest_checkpoint
 from experiments.corpus import build_corpus
 from experiments.names import Outcome, Status
 from experiments.stability import Diverged
@@ -149,20 +149,57 @@ class Claim:
     resume_from: Path | None = None  # a step<N>.ckpt of an earlier attempt, in the same run
     replayed: dict[str, int] | None = None  # metric -> highest step the run already holds
     restarted: bool = False  # an earlier attempt left nothing to continue: a new run from step 0
+    start_weights: Path | None = None  # a later stage's parent's final.ckpt (used from step 0 only)
 
 
-def claim_run(cell: Cell, ctx: SweepContext, unfinished: Any | None, prefix: str) -> Claim:
+@dataclass
+class Stage:
+    """Where a later stage (``Row.parent``) starts: its parent's finished weights and run."""
+
+    weights: Path
+    tags: dict[str, str]  # parent_run, mlflow.parentRunId (the UI nests the stage under it), stage
+
+
+def parent_stage(cell: Cell, ctx: SweepContext) -> Stage | str:
+    """The parent's finished weights and the tags that link the stage's run to the parent's;
+    or, when the parent has none to give, a note saying why (the cell cannot train yet)."""
+    parent = cell.parent
+    done = ctx.tracker.done_run(parent.run_key)
+    name = f"row {parent.row.id} s{parent.seed}"
+    if done is None:
+        return f"its parent {name} has no finished run"
+    status = done.data.tags.get("status")
+    if status != Status.FINISHED:
+        return f"its parent {name} {status} (run {done.info.run_id})"
+    run_id = done.info.run_id
+    weights = checkpoint_dir(ctx.results_dir, ctx.tracker.experiment_name_of(done), run_id) / FINAL_CHECKPOINT
+    if not weights.is_file():
+        return f"its parent {name}'s weights {weights} are gone (FORCE=1 ROWS={parent.row.id} retrains it)"
+    depth = 1
+    while (parent := parent.parent) is not None:
+        depth += 1
+    tags = {"parent_run": run_id, "mlflow.parentRunId": run_id, "stage": str(depth + 1)}
+    return Stage(weights, tags)
+
+
+def claim_run(
+    cell: Cell, ctx: SweepContext, unfinished: Any | None, prefix: str, stage: Stage | None = None
+) -> Claim:
     """Make this process the owner of the cell's run: ``unfinished`` (a run whose owner is dead)
     continued from its newest usable checkpoint, or a new run.
 
     An unfinished run with no usable checkpoint (it died before its first, a write failed, its
     folder was deleted by hand, the file is truncated) is deleted with its folder, and the cell
-    starts over in a new run; a line says why.
+    starts over in a new run; a line says why. A later ``stage`` starts a new run from its
+    parent's weights, linked to the parent's run by tags.
     """
     tracker, out = ctx.tracker, ctx.out
+    weights, stage_tags = (stage.weights, stage.tags) if stage is not None else (None, {})
     if unfinished is None:
-        run_id = tracker.start_cell(cell, owner_tags())
-        return Claim(run_id, checkpoint_dir(ctx.results_dir, tracker.experiment, run_id))
+        run_id = tracker.start_cell(cell, {**owner_tags(), **stage_tags})
+        return Claim(
+            run_id, checkpoint_dir(ctx.results_dir, tracker.experiment, run_id), start_weights=weights
+        )
     old_id, old_status = unfinished.info.run_id, unfinished.data.tags.get("status")
     checkpoints = checkpoint_dir(ctx.results_dir, tracker.experiment_name_of(unfinished), old_id)
     resume_from = latest_checkpoint(checkpoints)
@@ -172,12 +209,13 @@ def claim_run(cell: Cell, ctx: SweepContext, unfinished: Any | None, prefix: str
     if resume_from is None:
         tracker.delete(old_id)  # its points belong to a trajectory nobody can continue
         shutil.rmtree(checkpoints, ignore_errors=True)
-        run_id = tracker.start_cell(cell, owner_tags())
+        run_id = tracker.start_cell(cell, {**owner_tags(), **stage_tags})
         out(
             f"{prefix} restarting from step 0 in run {run_id}: "
             f"run {old_id} ({old_status}) has {why}; deleted it"
         )
-        return Claim(run_id, checkpoint_dir(ctx.results_dir, tracker.experiment, run_id), restarted=True)
+        folder = checkpoint_dir(ctx.results_dir, tracker.experiment, run_id)
+        return Claim(run_id, folder, restarted=True, start_weights=weights)
     for stale in checkpoints.glob("step*.ckpt*"):
         if stale != resume_from:
             stale.unlink()
@@ -229,7 +267,11 @@ def run_cell(
         if unfinished is not None and (owner := live_owner(unfinished, STALE_BEATS * ctx.heartbeat_s)):
             out(f"{prefix} skipped: being trained by {owner} (run {unfinished.info.run_id})")
             return CellResult(cell, Outcome.BUSY, note=f"being trained by {owner}")
-        claim = claim_run(cell, ctx, unfinished, prefix)
+        stage = parent_stage(cell, ctx) if cell.parent is not None else None
+        if isinstance(stage, str):
+            out(f"{prefix} FAILED: {stage}; it trains once the parent has finished")
+            return CellResult(cell, Outcome.FAILED, note=stage)
+        claim = claim_run(cell, ctx, unfinished, prefix, stage)
     run_id = claim.run_id
     started = time.perf_counter()
 
@@ -274,6 +316,7 @@ def train_and_record(
             extra_callbacks=[StopOnRequest(ctx.stop, checkpoints)],
             resume_from=claim.resume_from,
             replayed=claim.replayed,
+            start_weights=claim.start_weights,
         )
     except Interrupted as err:
         tracker.client.set_tag(run_id, "checkpoint", str(err.checkpoint))
