@@ -316,6 +316,11 @@ def _studies(args: argparse.Namespace, grid, cells, results: Path, trials: int, 
     from sweep.run.tune import tune_row
 
     rows = [c.row for c in cells if c.seed == cells[0].seed]
+    staged = [r.id for r in rows if r.parent is not None]
+    if staged:  # a stage's trial would train from scratch, not from its parent's weights
+        raise UsageError(
+            f"rows {', '.join(staged)} are later stages (parent:); the LR search trains first stages only"
+        )
     try:
         return {
             row.id: tune_row(

@@ -8,7 +8,7 @@ import pandas as pd
 
 from experiments.config import GateConfig, to_dict
 from experiments.names import Status, current_key
-from sweep.grid import Grid, Row, run_key
+from sweep.grid import Grid, Row
 from sweep.store import Tracker, experiment_name, flatten, tracking_uri
 
 
@@ -57,7 +57,7 @@ def current_runs(grid: Grid, scale: str, runs: list, seeds: list[int] | None = N
 
 
 def _key(grid: Grid, scale: str, row: Row, seed: int) -> str:
-    return run_key(grid.resolve(scale, row, seed))
+    return grid.cells(scale, seeds=[seed], rows=[row.id])[-1].run_key  # a later stage's key has its parent's
 
 
 FRAME_COLUMNS = ["row", "label", "seed", "run_id", "status", "gate", "arithmetic"]

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from sweep.grid import Grid
+from sweep.grid import Grid, paper_csv
+from sweep.report.longctx import build_longctx_table, longctx_figure, longctx_markdown, longctx_scores, task_block, tasks_of
 from sweep.report.curves import curves_markdown, mean_curves, metric_curves, side_of_reference
 from sweep.report.display import display_table, markdown
 from sweep.report.figures import draw_curve_figures, draw_figures
@@ -37,6 +38,8 @@ def write_tables(
     if left_note:
         print(f"note: {left_note.strip()}")
     tracker = Tracker(tracking_uri(results_dir), experiment_name(grid.name, scale))
+    if grid.longctx is not None:
+        return write_longctx_tables(grid, scale, runs, results_dir, command, tracker, left_note)
     mean = mean_curves(metric_curves(runs, tracker.client), grid) if len(runs) else pd.DataFrame()
     table = build_table(grid, scale, runs)
     sides = side_of_reference(mean, grid)
@@ -64,6 +67,33 @@ def write_tables(
     tracker.log_files(report, list(paths.values()), "tables")
     tracker.log_files(report, list(figures.values()), "figures")
     return {**paths, **figures}
+
+
+def write_longctx_tables(
+    grid: Grid, scale: str, runs: pd.DataFrame, results_dir: Path, command: str, tracker: Tracker, note: str
+) -> dict[str, Path]:
+    """Table 5's files (``sweep.report.longctx``): scores by evaluation length with and without
+    YaRN, and the figure ``<stem>_longctx.png``; all or nothing, as :func:`write_tables`."""
+    table = build_longctx_table(grid, scale, longctx_scores(runs, grid), paper_by_method(grid.paper_table))
+    paths = table_paths(grid, scale, results_dir)
+    figures: dict[str, Path] = {}
+    with Staging(results_dir) as staging:
+        staging.text(paths["md"], longctx_markdown(grid, scale, table, command) + note)
+        staging.text(paths["csv"], table.to_csv(index=False, float_format="%.6g"))
+        main = task_block(table, tasks_of(table.rename(columns={"mean": "value"}))[0]) if len(table) else table
+        staging.text(paths["tex"], main.to_latex(index=False, escape=True))
+        fig = longctx_figure(table) if len(table) else None
+        if fig is not None:
+            figures["longctx"] = staging.figure(results_dir / "figures" / f"{paths['md'].stem}_longctx.png", fig)
+    report = tracker.report_run()
+    tracker.log_files(report, list(paths.values()), "tables")
+    tracker.log_files(report, list(figures.values()), "figures")
+    return {**paths, **figures}
+
+
+def paper_by_method(name: str | None) -> pd.DataFrame | None:
+    """A paper table indexed by its ``method`` column (Table 5), or None."""
+    return pd.read_csv(paper_csv(name)).set_index("method") if name else None
 
 
 def _left_out_note(grid: Grid, scale: str, runs: pd.DataFrame, left_out: pd.DataFrame) -> str:
