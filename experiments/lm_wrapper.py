@@ -57,7 +57,7 @@ class GatedAttnLM(TemplateLM):
         self.batch_size = batch_size
         self.max_gen_toks = max_gen_toks
         self._eot = eot_id
-        self.max_length = model.cfg.max_seq_len
+        self.max_length = model.max_seq_len  # the RoPE table, which set_rope may widen
 
     @classmethod
     def from_checkpoint(

@@ -7,6 +7,9 @@ V vocabulary. The training path uses ``torch.nn.functional.scaled_dot_product_at
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,6 +17,7 @@ from torch import nn
 from experiments.config import ModelConfig
 from experiments.gating import AttentionGate
 from experiments.moe import MoEFFN
+from experiments.strict import ConfigError
 
 
 class KVCache:
@@ -41,15 +45,104 @@ class KVCache:
         self.values = [None if v is None else v.index_select(0, rows) for v in self.values]
 
 
-class RotaryEmbedding(nn.Module):
-    """RoPE tables (rotate-half form) for positions ``0 .. max_seq_len - 1``."""
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN context extension of RoPE (Peng et al. 2023, arXiv 2309.00071, Section 3.2 "NTK-by-parts"
+    and 3.4 "YaRN"), with Hugging Face ``rope_scaling={"rope_type": "yarn", ...}``'s parameters.
 
-    def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
+    Table 5 of Qiu et al. extends the context with YaRN at inference, without further training.
+
+    Attributes:
+        factor: the scale ``s``: target context over ``original_max_position``; >= 1.
+        original_max_position: the context the model was trained at (``L``), tokens.
+        beta_fast: rotations per ``L`` above which a dimension is extrapolated (``beta``, Section 3.2).
+        beta_slow: rotations per ``L`` below which a dimension is interpolated (``alpha``, Section 3.2).
+        attention_factor: the cos / sin multiplier; None: :meth:`attention_temperature`'s default.
+
+    Raises:
+        ConfigError: a value out of range; ``path`` names the key.
+    """
+
+    factor: float
+    original_max_position: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.factor >= 1.0:
+            raise ConfigError("factor", f"must be >= 1, got {self.factor}")
+        if not self.original_max_position > 0:
+            raise ConfigError("original_max_position", f"must be positive, got {self.original_max_position}")
+        for key in ("beta_fast", "beta_slow"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(key, f"must be positive, got {getattr(self, key)}")
+        if self.beta_fast < self.beta_slow:
+            raise ConfigError("beta_fast", f"must be >= beta_slow={self.beta_slow}, got {self.beta_fast}")
+        if self.attention_factor is not None and not self.attention_factor > 0:
+            raise ConfigError("attention_factor", f"must be positive, got {self.attention_factor}")
+
+    def attention_temperature(self) -> float:
+        """``sqrt(1/t) = 0.1 ln(s) + 1`` (Section 3.4; 1.0 at ``s = 1``), or ``attention_factor`` if set.
+        Multiplies both cos and sin, so attention logits scale by its square (as in HF)."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 0.1 * math.log(self.factor) + 1.0
+
+
+def yarn_correction_range(head_dim: int, theta: float, yarn: YarnScaling) -> tuple[int, int]:
+    """The (low, high) rotary-pair indices between which YaRN ramps from extrapolation to
+    interpolation: ``find_correction_dim(beta) = D ln(L / (2 pi beta)) / (2 ln theta)`` (the
+    pair index whose wavelength fits ``beta`` times in ``L``, Section 3.2) at ``beta_fast``
+    (floored) and ``beta_slow`` (ceiled), clamped to ``[0, D - 1]`` as in HF (``truncate=True``;
+    HF's upper clamp is ``D - 1``, not ``D/2 - 1``: the ramp is then cut by its own clamp)."""
+
+    def dim(rotations: float) -> float:
+        turns = yarn.original_max_position / (rotations * 2 * math.pi)
+        return head_dim * math.log(turns) / (2 * math.log(theta))
+
+    return max(math.floor(dim(yarn.beta_fast)), 0), min(math.ceil(dim(yarn.beta_slow)), head_dim - 1)
+
+
+def rope_inv_freq(head_dim: int, theta: float, yarn: YarnScaling | None = None) -> torch.Tensor:
+    """RoPE inverse frequencies, (D/2,) float32, radians per token.
+
+    Plain RoPE: ``theta ** (-2i / D)``. With ``yarn`` (factor > 1), YaRN's NTK-by-parts blend
+    (Peng et al. 2023, Section 3.2 "NTK-by-parts"; HF ``_compute_yarn_parameters``): pair ``i`` gets
+    ``(1 - g_i) * inv_freq_i / s + g_i * inv_freq_i`` with ``g_i = 1 - clamp((i - low) / (high -
+    low), 0, 1)`` over :func:`yarn_correction_range`: high-frequency pairs (``i <= low``) are kept
+    (extrapolated), low-frequency ones (``i >= high``) divided by ``s`` (interpolated). A factor of
+    exactly 1 returns plain RoPE bit for bit.
+    """
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    extrapolation = 1.0 / pos_freqs
+    if yarn is None or yarn.factor == 1.0:
+        return extrapolation
+    interpolation = 1.0 / (yarn.factor * pos_freqs)
+    low, high = yarn_correction_range(head_dim, theta, yarn)
+    ramp = (torch.arange(head_dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)
+    keep = 1 - ramp.clamp(0, 1)  # HF's inv_freq_extrapolation_factor
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE tables (rotate-half form) for positions ``0 .. max_seq_len - 1``: ``cos`` and ``sin``,
+    (max_seq_len, D) float32 buffers, not saved in checkpoints. With ``yarn``, the frequencies of
+    :func:`rope_inv_freq` and both tables times :meth:`YarnScaling.attention_temperature`."""
+
+    def __init__(
+        self, head_dim: int, max_seq_len: int, theta: float, yarn: YarnScaling | None = None
+    ) -> None:
         super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        self.theta, self.yarn = theta, yarn
+        inv_freq = rope_inv_freq(head_dim, theta, yarn)
         angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)  # (T, D/2)
-        self.register_buffer("cos", torch.cat([angles.cos()] * 2, dim=-1), persistent=False)  # (T, D)
-        self.register_buffer("sin", torch.cat([angles.sin()] * 2, dim=-1), persistent=False)
+        cos, sin = torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)  # (T, D)
+        scale = 1.0 if yarn is None else yarn.attention_temperature()
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """Rotate ``x`` of shape (B, T, heads, D) by its positions ``offset .. offset + T - 1``."""
@@ -196,6 +289,36 @@ class GatedLM(nn.Module):
             # here, so models without the width-aware init draw exactly what they always drew)
             nn.init.normal_(self.embed.weight, mean=0.0, std=cfg.init_std)
 
+    @property
+    def max_seq_len(self) -> int:
+        """The longest sequence ``forward`` takes: the RoPE table's length (``cfg.max_seq_len``
+        unless :meth:`set_rope` changed it)."""
+        return self.rope.cos.shape[0]
+
+    def set_rope(
+        self, theta: float | None = None, max_seq_len: int | None = None, yarn: YarnScaling | None = None
+    ) -> None:
+        """Rebuild the RoPE tables on the model's device, for inference at other lengths: no
+        parameter changes, the state_dict keys stay (the tables are not saved). With no arguments,
+        restores the config's RoPE.
+
+        Table 5 of Qiu et al. evaluates past the training context with YaRN (Peng et al. 2023).
+
+        Args:
+            theta: RoPE base; default ``cfg.rope_theta``.
+            max_seq_len: positions the tables cover, tokens; default ``cfg.max_seq_len``.
+            yarn: YaRN scaling of the frequencies and attention temperature; None: plain RoPE.
+
+        Raises:
+            ValueError: ``theta <= 1`` or ``max_seq_len < 1``.
+        """
+        theta = self.cfg.rope_theta if theta is None else theta
+        max_seq_len = self.cfg.max_seq_len if max_seq_len is None else max_seq_len
+        if not theta > 1 or max_seq_len < 1:
+            raise ValueError(f"set_rope needs theta > 1 and max_seq_len >= 1, got {theta} and {max_seq_len}")
+        device = self.embed.weight.device
+        self.rope = RotaryEmbedding(self.cfg.head_dim, max_seq_len, theta, yarn).to(device)
+
     def _init_weights(self, module: nn.Module) -> None:
         # Qwen3 init: N(0, initializer_range) for every linear and embedding; gate rows included.
         # The width-aware option widens the linear weights only (ModelConfig.linear_init_std).
@@ -213,12 +336,12 @@ class GatedLM(nn.Module):
         continue the sequences it holds (generation feeds the prompt, then one token at a time).
 
         Raises:
-            ValueError: the sequence (cached positions included) exceeds ``max_seq_len``.
+            ValueError: the sequence (cached positions included) exceeds :attr:`max_seq_len`.
         """
         offset = cache.length if cache is not None else 0
-        if offset + tokens.shape[1] > self.cfg.max_seq_len:
+        if offset + tokens.shape[1] > self.max_seq_len:
             raise ValueError(
-                f"sequence of {offset + tokens.shape[1]} tokens exceeds max_seq_len={self.cfg.max_seq_len}"
+                f"sequence of {offset + tokens.shape[1]} tokens exceeds max_seq_len={self.max_seq_len}"
             )
         x = self.embed(tokens)
         self.hidden_states = []

@@ -140,6 +140,40 @@ def bench_score_key(task: str, logged: Iterable[str]) -> str | None:
     return bench_key(task, "acc") if bench_key(task, "acc") in scores else next(iter(scores), None)
 
 
+# --- long-context evaluation (experiments.longctx) ---------------------------------------------------
+
+LONGCTX_PREFIX = "longctx/"
+#: Marks a score taken with YaRN: a suffix, not a ``/yarn`` folder, so no key is a folder of another
+#: (the reason of :data:`LAYER_SEP`).
+LONGCTX_YARN = ".yarn"
+#: The tasks besides the per-domain ``ppl_<domain>``.
+LONGCTX_TASKS = ("ppl_avg", "passkey", "passkey_top1", "f_attn", "f_attn_ratio")
+_LONGCTX_KEY = re.compile(r"^longctx/([A-Za-z0-9_.-]+)/(\d+)(\.yarn)?$")
+
+
+def longctx_ppl_task(domain: str) -> str:
+    """``ppl_<domain>``: the task name of one domain's perplexity."""
+    return f"ppl_{domain}"
+
+
+def longctx_key(task: str, length: int, yarn: bool = False) -> str:
+    """``longctx/<task>/<length>``, or ``longctx/<task>/<length>.yarn`` with YaRN: one score at an
+    evaluation length in tokens, e.g. ``longctx/passkey/2048.yarn``.
+
+    Raises:
+        ValueError: a task that is empty or holds a character outside ``[A-Za-z0-9_.-]``, or a length < 1.
+    """
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", task) or length < 1:
+        raise ValueError(f"bad long-context key parts: task {task!r}, length {length}")
+    return f"{LONGCTX_PREFIX}{task}/{length}{LONGCTX_YARN if yarn else ''}"
+
+
+def parse_longctx_key(key: str) -> tuple[str, int, bool] | None:
+    """``(task, length, yarn)`` of a :func:`longctx_key`; None for any other key."""
+    m = _LONGCTX_KEY.match(key)
+    return (m[1], int(m[2]), m[3] is not None) if m else None
+
+
 # --- run statuses, sweep outcomes, table statuses ----------------------------------------------------
 
 
