@@ -1,11 +1,16 @@
-"""A grid's ``eval:`` section: which benchmarks score its finished runs (``sweep.eval``)."""
+"""A grid's ``eval:`` and ``longctx:`` sections: which benchmarks score its finished runs
+(``sweep.eval``), and which rows get the long-context evaluation (``experiments.longctx``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from experiments.longctx_config import LongContextConfig
 from experiments.strict import ConfigError
 from sweep.gridfile import NAME
+
+#: RULER's tasks that lm-eval generates with no download (``sweep.eval.ruler``).
+RULER_OFFLINE = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "vt", "cwe", "fwe")
 
 
 @dataclass(frozen=True)
@@ -48,3 +53,35 @@ class EvalConfig:
     def scored_by_sweep(self, scale: str) -> bool:
         """Whether ``make sweep`` at ``scale`` scores the finished runs by itself."""
         return bool(self.tasks) and (self.scales is None or scale in self.scales)
+
+
+@dataclass(frozen=True)
+class LongContextSpec(LongContextConfig):
+    """A grid's ``longctx:`` section: :class:`~experiments.longctx.LongContextConfig` (lengths as
+    multiples of the scale's context, YaRN factor, PPL windows, passkey depths and trials), the
+    rows it scores after training, and RULER's tasks, opt-in.
+
+    ``rows``: the rows scored (default every row). ``ruler_tasks``: RULER tasks of
+    :data:`RULER_OFFLINE` run through lm-eval at each length of 256 tokens or more (needs
+    ``pip install -e '.[ruler]'``; greedy generation, so only models that can generate score above
+    zero). ``ruler_limit``: samples per task and length.
+    """
+
+    rows: tuple[str, ...] = ()
+    ruler_tasks: tuple[str, ...] = ()
+    ruler_limit: int = 8
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        unknown = [t for t in self.ruler_tasks if t not in RULER_OFFLINE]
+        if unknown:
+            raise ConfigError(
+                "ruler_tasks",
+                f"unknown {', '.join(unknown)}; offline RULER tasks: {', '.join(RULER_OFFLINE)}",
+            )
+        if self.ruler_limit < 1:
+            raise ConfigError("ruler_limit", f"must be an integer >= 1; got {self.ruler_limit}")
+
+    def scores(self, row: str) -> bool:
+        """Whether the long-context evaluation scores ``row``'s cells."""
+        return not self.rows or row in self.rows

@@ -29,7 +29,7 @@ from experiments.config import RunConfig, TrainConfig
 from experiments.corpus import recipe_hash
 from experiments.names import ProbeColumn
 from experiments.strict import ConfigError, from_dict, identity_dict, to_dict
-from sweep.evalspec import EvalConfig
+from sweep.evalspec import EvalConfig, LongContextSpec
 from sweep.gridfile import NAME, GridError, deep_merge, inherit, read_yaml
 
 _ROW_ID = re.compile(r"^[a-z0-9_]+$")
@@ -106,6 +106,9 @@ class GridSpec:
     """Probe columns the Markdown / LaTeX table shows beside PPL (``experiments.names.PROBE_COLUMNS``)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Benchmarks run on every finished run (``sweep.eval``)."""
+    longctx: LongContextSpec | None = None
+    """Long-context scores by evaluation length, with and without YaRN, after training (Table 5);
+    a grid with it gets Table 5's report (``sweep.report.longctx``)."""
     share_of: str | None = None
     """A row whose Δ Avg PPL the others' are divided by (the "share of G1's gain" column)."""
     curve_rows: tuple[str, ...] = ()
@@ -181,6 +184,8 @@ class Grid:
     """Probe columns the Markdown / LaTeX table shows (``GridSpec.columns``)."""
     eval: EvalConfig
     share_of: str | None = None
+    longctx: LongContextSpec | None = None
+    """The long-context evaluation (``GridSpec.longctx``), or None."""
     """The row of the "share of its gain" column (``GridSpec.share_of``), or None."""
     curve_rows: tuple[str, ...] = ()
     """Rows whose ranking the curves report checks (``GridSpec.curve_rows``); empty: all."""
@@ -355,6 +360,9 @@ def load_grid(file: str | Path) -> Grid:
             )
     if spec.share_of is not None and spec.share_of not in ids:
         raise GridError(file, f"names no row of the grid: '{spec.share_of}'", path="share_of")
+    for rid in spec.longctx.rows if spec.longctx else ():
+        if rid not in ids:
+            raise GridError(file, f"names no row of the grid: '{rid}'", path="longctx.rows")
     for rid in spec.curve_rows:
         if rid not in ids:
             raise GridError(file, f"names no row of the grid: '{rid}'", path="curve_rows")
@@ -389,6 +397,7 @@ def load_grid(file: str | Path) -> Grid:
         columns=spec.columns,
         eval=spec.eval,
         share_of=spec.share_of,
+        longctx=spec.longctx,
         curve_rows=spec.curve_rows,
         lr_ladder=spec.lr_ladder,
     )

@@ -36,15 +36,12 @@ import torch
 from tokenizers import Tokenizer
 
 from experiments.model import GatedLM
+from experiments.names import longctx_key
+from sweep.evalspec import RULER_OFFLINE
 
 #: Our task name -> lm-eval's.
 RULER_TASKS: dict[str, str] = {
-    "niah_single_1": "niah_single_1",
-    "niah_multikey_2": "niah_multikey_2",
-    "niah_multikey_3": "niah_multikey_3",
-    "vt": "ruler_vt",
-    "cwe": "ruler_cwe",
-    "fwe": "ruler_fwe",
+    name: name if name.startswith("niah") else f"ruler_{name}" for name in RULER_OFFLINE
 }
 PACKAGES = ("transformers", "wonderwords", "nltk")  # the import names are the PyPI names
 INSTALL = "pip install -e '.[ruler]'"
@@ -63,11 +60,6 @@ def missing_packages() -> list[str]:
     return [p for p in PACKAGES if importlib.util.find_spec(p) is None]
 
 
-def longctx_key(task: str, length: int, suffix: str = "") -> str:
-    """``longctx/<task>/<length><suffix>`` (``suffix`` is ``/yarn`` for a YaRN-extended model)."""
-    return f"longctx/{task}/{length}{suffix}"
-
-
 def ruler_scores(
     model: GatedLM,
     tokenizer: Tokenizer,
@@ -75,7 +67,7 @@ def ruler_scores(
     lengths: Sequence[int],
     limit: int,
     device: str | torch.device | None = None,
-    suffix: str = "",
+    yarn: bool = False,
     batch_size: int = 8,
 ) -> dict[str, float]:
     """Score ``model`` on RULER ``tasks`` at each of ``lengths`` (tokens, the answer's included),
@@ -86,12 +78,13 @@ def ruler_scores(
     without YaRN. The model is put in eval mode on ``device`` (default: its own).
 
     Returns:
-        ``{"longctx/<task>/<len><suffix>": score}``, each score the mean over samples of the
+        ``{names.longctx_key(task, len, yarn): score}`` (``yarn``: the caller applied YaRN to the
+        model, ``GatedLM.set_rope``), each score the mean over samples of the
         fraction of answer strings found in the generated text, in [0, 1].
 
     Raises:
         ValueError: an unknown task, a length under 256 or above the model's window
-            (``model.cfg.max_seq_len``: apply YaRN first), a ``limit`` under 1, or a length too
+            (``model.max_seq_len``: apply YaRN first), a ``limit`` under 1, or a length too
             short for a task with this tokenizer (lm-eval's generators would loop forever or
             leave the answer empty).
         RulerUnavailable: transformers, wonderwords or nltk is missing.
@@ -99,7 +92,7 @@ def ruler_scores(
     unknown = [t for t in tasks if t not in RULER_TASKS]
     if unknown:
         raise ValueError(f"unknown RULER task(s) {', '.join(unknown)}; known: {', '.join(RULER_TASKS)}")
-    window = model.cfg.max_seq_len
+    window = model.max_seq_len
     bad = [n for n in lengths if not 256 <= n <= window]
     if bad or limit < 1:
         what = f"length(s) {bad} outside 256..{window} (the model's window)" if bad else f"limit {limit}"
@@ -146,7 +139,7 @@ def ruler_scores(
                 score = out["results"][name].get(f"{asked},none")
                 if not isinstance(score, (int, float)) or not (math.isfinite(score) and 0 <= score <= 1):
                     raise RuntimeError(f"RULER {task} at {length}: no score in [0, 1] (got {score!r})")
-                scores[longctx_key(task, length, suffix)] = float(score)
+                scores[longctx_key(task, length, yarn)] = float(score)
     return scores
 
 

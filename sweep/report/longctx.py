@@ -53,11 +53,13 @@ def longctx_scores(runs: pd.DataFrame, grid: Grid) -> pd.DataFrame:
             parsed = N.parse_longctx_key(key) if isinstance(key, str) else None
             if parsed is not None and value is not None and not pd.isna(value):
                 task, length, yarn = parsed
-                lines.append({"row": r["row"], "seed": r["seed"], "task": task, "length": length, "yarn": yarn,
-                              "value": float(value)})  # fmt: skip
+                line = {"row": r["row"], "seed": r["seed"], "task": task, "length": length, "yarn": yarn}
+                lines.append({**line, "value": float(value)})
     frame = pd.DataFrame(lines, columns=["row", "seed", "task", "length", "yarn", "value"])
     order = {rid: i for i, rid in enumerate(grid.row_ids())}
-    return frame.sort_values(["row", "task", "length", "yarn", "seed"], key=lambda c: c.map(order) if c.name == "row" else c)
+    return frame.sort_values(
+        ["row", "task", "length", "yarn", "seed"], key=lambda c: c.map(order) if c.name == "row" else c
+    )
 
 
 def tasks_of(scores: pd.DataFrame) -> list[str]:
@@ -78,7 +80,9 @@ def paper_figure(paper: pd.DataFrame | None, label: str, yarn: bool, ratio: floa
     return float(paper.loc[method, column])
 
 
-def build_longctx_table(grid: Grid, scale: str, scores: pd.DataFrame, paper: pd.DataFrame | None) -> pd.DataFrame:
+def build_longctx_table(
+    grid: Grid, scale: str, scores: pd.DataFrame, paper: pd.DataFrame | None
+) -> pd.DataFrame:
     """The numeric Table 5, long form: one line per (row, task, length, yarn) with ``mean``,
     ``std``, ``n``; ``yarn_change`` (with YaRN minus without, paired by seed, with its 95%
     t-interval from three seeds on); ``gap`` (this row's YaRN change minus its ``compare_to``
@@ -89,20 +93,28 @@ def build_longctx_table(grid: Grid, scale: str, scores: pd.DataFrame, paper: pd.
     for (rid, task, length, yarn), values in by.items():
         row = next(r for r in grid.rows if r.id == rid)
         ctx = grid.cells(scale, seeds=[grid.seeds[0]], rows=[rid])[-1].config.train.seq_len
-        line = {"row": rid, "label": row.label, "task": task, "length": length, "yarn": yarn,
-                "ratio": length / ctx, "mean": values.mean(), "std": values.std(ddof=1), "n": len(values)}  # fmt: skip
+        line = {"row": rid, "label": row.label, "task": task, "length": length, "yarn": yarn}
+        line.update(ratio=length / ctx, mean=values.mean(), std=values.std(ddof=1), n=len(values))
         change = lo = hi = math.nan
         if yarn and (rid, task, length, False) in by:
             change, lo, hi, _ = paired_delta(values, by[(rid, task, length, False)])
         line.update(yarn_change=change, yarn_change_low=lo, yarn_change_high=hi)
         gap = g_lo = g_hi = math.nan
         ref = row.compare_to
-        if yarn and ref and ref != rid and all((k, task, length, y) in by for k in (rid, ref) for y in (False, True)):
+        if (
+            yarn
+            and ref
+            and ref != rid
+            and all((k, task, length, y) in by for k in (rid, ref) for y in (False, True))
+        ):
             mine = by[(rid, task, length, True)] - by[(rid, task, length, False)]
             theirs = by[(ref, task, length, True)] - by[(ref, task, length, False)]
             gap, g_lo, g_hi, _ = paired_delta(mine.dropna(), theirs.dropna())
-        line.update(gap=gap, gap_low=g_lo, gap_high=g_hi, compare_to=ref or "")
-        line["paper"] = paper_figure(paper, row.label, yarn, line["ratio"]) if task in ("passkey",) else math.nan
+        ref_label = grid.row(ref).label if ref else ""
+        line.update(gap=gap, gap_low=g_lo, gap_high=g_hi, compare_to=ref or "", compare_label=ref_label)
+        line["paper"] = (
+            paper_figure(paper, row.label, yarn, line["ratio"]) if task in ("passkey",) else math.nan
+        )
         lines.append(line)
     return pd.DataFrame(lines)
 
@@ -139,8 +151,8 @@ def gap_block(table: pd.DataFrame, task: str) -> pd.DataFrame:
     """The YaRN change of each compared row minus its reference's, by length, with intervals."""
     part = table[(table["task"] == task) & table["yarn"] & table["gap"].notna()]
     lines = []
-    for rid, mine in part.groupby("row", sort=False):
-        line = {"Row vs reference": f"{mine['label'].iloc[0]} vs {mine['compare_to'].iloc[0]}"}
+    for _, mine in part.groupby("row", sort=False):
+        line = {"Row vs reference": f"{mine['label'].iloc[0]} vs {mine['compare_label'].iloc[0]}"}
         for r in mine.itertuples():
             ci = "" if math.isnan(r.gap_low) else f" [{r.gap_low:+.3f}, {r.gap_high:+.3f}]"
             line[str(r.length)] = f"{r.gap:+.3f}{ci}"
@@ -214,8 +226,8 @@ def longctx_figure(table: pd.DataFrame):
         for (rid, yarn), mine in part.groupby(["row", "yarn"], sort=False):
             mine = mine.sort_values("length")
             label = mine["label"].iloc[0] + (" + YaRN" if yarn else "")
-            ax.errorbar(mine["length"], mine["mean"], yerr=np.nan_to_num(mine["std"]), label=label,
-                        color=colors[rid], linestyle="--" if yarn else "-", marker="o", capsize=2)  # fmt: skip
+            style = {"color": colors[rid], "linestyle": "--" if yarn else "-", "marker": "o", "capsize": 2}
+            ax.errorbar(mine["length"], mine["mean"], yerr=np.nan_to_num(mine["std"]), label=label, **style)
         ax.set_xscale("log", base=2)
         if task == "ppl_avg":
             ax.set_yscale("log")
@@ -224,6 +236,8 @@ def longctx_figure(table: pd.DataFrame):
         if task == "f_attn_ratio":
             ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")  # uniform attention
         ax.set_xlabel("evaluation length (tokens)")
-        ax.set_title({"passkey": "passkey (chance 0.5)", "ppl_avg": "Avg PPL", "f_attn_ratio": "F-Attn / floor"}[task])
+        ax.set_title(
+            {"passkey": "passkey (chance 0.5)", "ppl_avg": "Avg PPL", "f_attn_ratio": "F-Attn / floor"}[task]
+        )
     axes[0].legend(fontsize=7)
     return fig

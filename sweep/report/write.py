@@ -7,10 +7,17 @@ from pathlib import Path
 import pandas as pd
 
 from sweep.grid import Grid, paper_csv
-from sweep.report.longctx import build_longctx_table, longctx_figure, longctx_markdown, longctx_scores, task_block, tasks_of
 from sweep.report.curves import curves_markdown, mean_curves, metric_curves, side_of_reference
 from sweep.report.display import display_table, markdown
 from sweep.report.figures import draw_curve_figures, draw_figures
+from sweep.report.longctx import (
+    build_longctx_table,
+    longctx_figure,
+    longctx_markdown,
+    longctx_scores,
+    task_block,
+    tasks_of,
+)
 from sweep.report.publish import Staging
 from sweep.report.runs import finished_runs, one_arithmetic
 from sweep.report.tables import bench_columns, build_table
@@ -80,11 +87,15 @@ def write_longctx_tables(
     with Staging(results_dir) as staging:
         staging.text(paths["md"], longctx_markdown(grid, scale, table, command) + note)
         staging.text(paths["csv"], table.to_csv(index=False, float_format="%.6g"))
-        main = task_block(table, tasks_of(table.rename(columns={"mean": "value"}))[0]) if len(table) else table
+        main = (
+            task_block(table, tasks_of(table.rename(columns={"mean": "value"}))[0]) if len(table) else table
+        )
         staging.text(paths["tex"], main.to_latex(index=False, escape=True))
         fig = longctx_figure(table) if len(table) else None
         if fig is not None:
-            figures["longctx"] = staging.figure(results_dir / "figures" / f"{paths['md'].stem}_longctx.png", fig)
+            figures["longctx"] = staging.figure(
+                results_dir / "figures" / f"{paths['md'].stem}_longctx.png", fig
+            )
     report = tracker.report_run()
     tracker.log_files(report, list(paths.values()), "tables")
     tracker.log_files(report, list(figures.values()), "figures")
@@ -92,8 +103,9 @@ def write_longctx_tables(
 
 
 def paper_by_method(name: str | None) -> pd.DataFrame | None:
-    """A paper table indexed by its ``method`` column (Table 5), or None."""
-    return pd.read_csv(paper_csv(name)).set_index("method") if name else None
+    """A paper table indexed by its ``method`` column (Table 5), or None (none, or no such column)."""
+    table = pd.read_csv(paper_csv(name)) if name else None
+    return table.set_index("method") if table is not None and "method" in table.columns else None
 
 
 def _left_out_note(grid: Grid, scale: str, runs: pd.DataFrame, left_out: pd.DataFrame) -> str:

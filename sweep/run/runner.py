@@ -22,7 +22,7 @@ from experiments.names import Outcome, Status
 from experiments.stability import Diverged
 from sweep.grid import Cell, Grid
 from sweep.gridfile import GridError
-from sweep.run.cell import checkpoint_dir, train_cell
+from sweep.run.cell import LongContextJob, checkpoint_dir, train_cell
 from sweep.run.interrupt import Interrupted, StopOnRequest, StopRequest
 from sweep.run.progress import ProgressPrinter, SweepClock
 from sweep.run.resume import (
@@ -158,6 +158,16 @@ class Stage:
 
     weights: Path
     tags: dict[str, str]  # parent_run, mlflow.parentRunId (the UI nests the stage under it), stage
+
+
+def long_context_job(grid: Grid, cell: Cell) -> LongContextJob | None:
+    """The cell's long-context evaluation, when the grid's ``longctx:`` scores its row."""
+    if grid.longctx is None or not grid.longctx.scores(cell.row.id):
+        return None
+    first = cell
+    while first.parent is not None:
+        first = first.parent
+    return LongContextJob(grid.longctx, first.config.train.seq_len)
 
 
 def parent_stage(cell: Cell, ctx: SweepContext) -> Stage | str:
@@ -317,6 +327,7 @@ def train_and_record(
             resume_from=claim.resume_from,
             replayed=claim.replayed,
             start_weights=claim.start_weights,
+            longctx=long_context_job(ctx.grid, cell),
         )
     except Interrupted as err:
         tracker.client.set_tag(run_id, "checkpoint", str(err.checkpoint))
