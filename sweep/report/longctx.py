@@ -162,11 +162,14 @@ def gap_block(table: pd.DataFrame, task: str) -> pd.DataFrame:
 
 def paper_block(table: pd.DataFrame) -> pd.DataFrame:
     """The paper's RULER figures at our lengths' ratios to the training context (passkey lines)."""
-    part = table[(table["task"] == "passkey") & table["paper"].notna()]
+    part = table[table["task"] == "passkey"]
+    part = part[part["row"].isin(part.loc[part["paper"].notna(), "row"])].sort_values(["yarn", "length"])
     lines = []
     for (label, yarn), mine in part.groupby(["label", "yarn"], sort=False):
         line = {"Method (paper, RULER)": label + (" (YaRN)" if yarn else "")}
-        line.update({f"{r.ratio:g}x ctx": f"{r.paper:.2f}" for r in mine.itertuples()})
+        line.update(
+            {f"{r.ratio:g}x ctx": "—" if math.isnan(r.paper) else f"{r.paper:.2f}" for r in mine.itertuples()}
+        )
         lines.append(line)
     return pd.DataFrame(lines)
 
