@@ -138,6 +138,10 @@ def test_the_suite_builds_into_a_fresh_cache(tmp_path: Path) -> None:
     assert chance(root, "offline_humaneval") is None
     assert "unsafe_code: true" in (root / "offline_humaneval.yaml").read_text()  # lm-eval's own check
     assert task_dir(tmp_path / "new" / "cache") == root  # built once
+    # the YAMLs name their data by absolute path: a moved cache is rebuilt, not read stale
+    (tmp_path / "new").rename(tmp_path / "moved")
+    moved = task_dir(tmp_path / "moved" / "cache")
+    assert str(moved / "mmlu_dev.jsonl") in (moved / "offline_mmlu_dev.yaml").read_text()
 
 
 def test_bigbench_task_json_becomes_multiple_choice(tmp_path: Path) -> None:

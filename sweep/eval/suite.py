@@ -217,7 +217,8 @@ def task_dir(cache_root: Path | None = None, bigbench: bool = False) -> Path:
 
     Every file is written in a private temporary folder and moved into place with an atomic
     rename, so processes building at once never read a half-written file; the ``ready`` markers
-    come last.
+    come last and hold the folder's path: the task YAMLs name their data by absolute path, so a
+    cache reached by another path (moved, or through a symlink that is gone) is rebuilt.
 
     Raises:
         BenchError: a source package is missing, or the BIG-bench download failed.
@@ -225,7 +226,7 @@ def task_dir(cache_root: Path | None = None, bigbench: bool = False) -> Path:
     cache = cache_root or default_cache_root()
     root = cache / f"bench-v{SUITE_VERSION}"
     ready = root / ("ready-bigbench" if bigbench else "ready")
-    if ready.exists():
+    if ready.exists() and ready.read_text() == str(root):
         return root
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".bench-build-", dir=cache))  # beside, not inside: lm-eval scans root
@@ -247,9 +248,9 @@ def task_dir(cache_root: Path | None = None, bigbench: bool = False) -> Path:
             _write_task(tmp / f"{MATHQA}.yaml", _mc_task(MATHQA, root / "mathqa.jsonl"))
         for path in tmp.iterdir():
             os.replace(path, root / path.name)
-        (root / "ready").touch()
+        (root / "ready").write_text(str(root))
         if bigbench:
-            ready.touch()
+            ready.write_text(str(root))
     except (ModuleNotFoundError, FileNotFoundError, KeyError) as err:
         raise BenchError(f"benchmark suite: {type(err).__name__}: {err}") from None
     finally:
