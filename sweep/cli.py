@@ -176,6 +176,7 @@ def _main(argv: list[str] | None) -> int:
         cache = _cache_root()
         if args.command == "eval":
             failed = _evaluate(grid, args.scale, cells, results, cache, asked=True)
+            failed += _long_context(grid, args.scale, cells, results, cache)
             paths = write_tables(grid, args.scale, results, _command_line())  # every seed found
             print(f"table: {paths['md']} (also .csv, .tex)")
             return 1 if failed else 0
@@ -212,7 +213,9 @@ def _main(argv: list[str] | None) -> int:
             print(f"sweep interrupted after {minutes:.1f} min: {summary_line(outcomes)}")
             print("state saved; run the same command again to resume")
             return stop.exit_code
-        bench_failed = _evaluate(grid, args.scale, cells, results, cache)
+        bench_failed = _evaluate(grid, args.scale, cells, results, cache) + _long_context(
+            grid, args.scale, cells, results, cache
+        )
         minutes = (time.perf_counter() - started) / 60
         paths = write_tables(grid, args.scale, results, _command_line(), seeds)
         print(f"sweep finished in {minutes:.1f} min: {summary_line(outcomes)}")
@@ -252,6 +255,21 @@ def _evaluate(grid, scale: str, cells, results: Path, cache: Path | None, asked:
     done, failed = evaluate_missing(tracker, cells, grid.eval, cache)
     if done or failed:
         print(f"benchmarks ({', '.join(runnable_tasks(grid.eval))}): {done} runs scored, {failed} failed")
+    return failed
+
+
+def _long_context(grid, scale: str, cells, results: Path, cache: Path | None) -> int:
+    """Score the finished runs of the grid's ``longctx.rows`` that lack long-context scores;
+    return how many evaluations failed."""
+    if grid.longctx is None:
+        return 0
+    from sweep.eval.longctx_run import score_missing_long_context
+    from sweep.store import Tracker, experiment_name, tracking_uri
+
+    tracker = Tracker(tracking_uri(results), experiment_name(grid.name, scale), results / "mlartifacts")
+    done, failed = score_missing_long_context(tracker, grid, cells, cache)
+    if done or failed:
+        print(f"long context: {done} runs scored, {failed} failed")
     return failed
 
 

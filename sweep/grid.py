@@ -16,12 +16,10 @@ key path.
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import json
 import re
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +28,7 @@ from experiments.corpus import recipe_hash
 from experiments.names import ProbeColumn
 from experiments.strict import ConfigError, from_dict, identity_dict, to_dict
 from sweep.evalspec import EvalConfig, LongContextSpec
+from sweep.gridcheck import check_references, check_stage, paper_csv, paper_rows  # noqa: F401 (re-exported)
 from sweep.gridfile import NAME, GridError, deep_merge, inherit, read_yaml
 
 _ROW_ID = re.compile(r"^[a-z0-9_]+$")
@@ -312,19 +311,6 @@ def table_number(row: Row, position: int) -> int:
     return row.paper_row if row.paper_row is not None and row.paper_table is None else position
 
 
-def paper_csv(name: str) -> Path:
-    """``sweep/paper/<name>.csv``: the paper's own numbers, shipped with the package."""
-    return Path(str(resources.files("sweep").joinpath("paper", f"{name}.csv")))
-
-
-def paper_rows(name: str) -> set[int] | None:
-    """The row numbers of the paper table ``sweep/paper/<name>.csv``; None if it has no ``row``
-    column."""
-    with paper_csv(name).open() as f:
-        reader = csv.DictReader(f)
-        return {int(r["row"]) for r in reader} if "row" in (reader.fieldnames or ()) else None
-
-
 def load_grid(file: str | Path) -> Grid:
     """Parse and check a grid file (schema, row references, every cell of every scale).
 
@@ -341,49 +327,7 @@ def load_grid(file: str | Path) -> Grid:
         spec = from_dict(GridSpec, raw)
     except ConfigError as err:
         raise _grid_error(file, raw, err) from None
-    ids = [r.id for r in spec.rows]
-    for i, rid in enumerate(ids):
-        if rid in ids[:i]:
-            raise GridError(file, "duplicate row id", rid, "id")
-    known = sorted(p.name.removesuffix(".csv") for p in paper_csv("").parent.iterdir())
-    if spec.paper_table is not None and spec.paper_table not in known:
-        raise GridError(
-            file, f"unknown paper table {spec.paper_table!r}; known: {', '.join(known)}", path="paper_table"
-        )
-    for row in spec.rows:
-        if row.paper_table is not None and row.paper_table not in known:
-            raise GridError(
-                file,
-                f"unknown paper table {row.paper_table!r}; known: {', '.join(known)}",
-                row.id,
-                "paper_table",
-            )
-    if spec.share_of is not None and spec.share_of not in ids:
-        raise GridError(file, f"names no row of the grid: '{spec.share_of}'", path="share_of")
-    for rid in spec.longctx.rows if spec.longctx else ():
-        if rid not in ids:
-            raise GridError(file, f"names no row of the grid: '{rid}'", path="longctx.rows")
-    for rid in spec.curve_rows:
-        if rid not in ids:
-            raise GridError(file, f"names no row of the grid: '{rid}'", path="curve_rows")
-    for scale in spec.eval.scales or ():
-        if scale not in spec.scales:
-            raise GridError(file, f"names no scale of the grid: '{scale}'", path="eval.scales")
-    if spec.baseline_row not in ids:
-        raise GridError(file, f"names no row of the grid: '{spec.baseline_row}'", path="baseline_row")
-    for i, row in enumerate(spec.rows):
-        if row.parent is not None and row.parent not in ids[:i]:
-            why = "is this row" if row.parent == row.id else "is no earlier row of the grid"
-            raise GridError(file, f"'{row.parent}' {why} (a stage follows its parent)", row.id, "parent")
-    for row in spec.rows:
-        if row.compare_to is not None and row.compare_to not in ids:
-            raise GridError(file, f"names no row of the grid: '{row.compare_to}'", row.id, "compare_to")
-        table = row.paper_table or spec.paper_table
-        known_rows = paper_rows(table) if row.paper_row is not None and table is not None else None
-        if known_rows is not None and row.paper_row not in known_rows:
-            raise GridError(
-                file, f"{row.paper_row} is not a row of sweep/paper/{table}.csv", row.id, "paper_row"
-            )
+    check_references(file, spec)
     grid = Grid(
         file=file,
         name=spec.name,
@@ -404,7 +348,7 @@ def load_grid(file: str | Path) -> Grid:
     for scale in grid.scales:
         for cell in grid.cells(scale):
             if cell.parent is not None:
-                check_stage(grid, cell)
+                check_stage(file, cell)
             if grid.lr_ladder and grid.lr_ladder[0] < cell.config.train.min_lr:
                 low, min_lr = grid.lr_ladder[0], cell.config.train.min_lr
                 raise GridError(
@@ -414,28 +358,6 @@ def load_grid(file: str | Path) -> Grid:
                     "lr_ladder",
                 )
     return grid
-
-
-#: What a later stage may change in its parent's model: the weights stay the same shapes.
-STAGE_MODEL_KEYS = ("rope_theta", "max_seq_len")
-
-
-def check_stage(grid: Grid, cell: Cell) -> None:
-    """A stage's model must load its parent's weights: only :data:`STAGE_MODEL_KEYS` may differ.
-
-    Raises:
-        GridError: naming the row and the first other ``model.<key>`` that differs.
-    """
-    mine, theirs = to_dict(cell.config.model), to_dict(cell.parent.config.model)
-    for key in mine:
-        if key not in STAGE_MODEL_KEYS and mine[key] != theirs[key]:
-            raise GridError(
-                grid.file,
-                f"a stage may change only {' and '.join(STAGE_MODEL_KEYS)} of its parent's model "
-                f"(the weights carry over): {theirs[key]!r} -> {mine[key]!r} (at scale '{cell.scale}')",
-                cell.row.id,
-                f"model.{key}",
-            )
 
 
 def _grid_error(file: Path, raw: dict, err: ConfigError) -> GridError:

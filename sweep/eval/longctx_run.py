@@ -1,15 +1,27 @@
-"""The long-context evaluation of one finished cell (a grid's ``longctx:`` section): the scores of
+"""The long-context evaluation of finished runs (a grid's ``longctx:`` section): the scores of
 :func:`experiments.longctx.evaluate_long_context` and, opt-in, RULER's (``sweep.eval.ruler``),
-each with the model's own RoPE and with YaRN. Source: Table 5 of Qiu et al. (2025), Section 4.4."""
+each with the model's own RoPE and with YaRN, logged to the run as ``longctx/<task>/<len>[.yarn]``.
+``make sweep`` runs it after training (as the benchmarks), ``make eval`` on demand; a run is
+scored once (tag ``longctx=scored``). Source: Table 5 of Qiu et al. (2025), Section 4.4."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from experiments.corpus import Corpus
+import torch
+
+from experiments.corpus import Corpus, build_corpus
 from experiments.longctx import evaluate_long_context
 from experiments.model import GatedLM, YarnScaling
+from experiments.names import Status
 from sweep.evalspec import LongContextSpec
+from sweep.grid import Cell, Grid
+from sweep.store import Tracker
+
+SCORED_TAG = "longctx"  # value "scored" once every score of the run is logged
 
 RULER_MIN_LEN = 256  # lm-eval's RULER generators need at least this many tokens
 
@@ -56,3 +68,66 @@ def score_long_context(
             model.train(was_training)
         record["ruler"] = {"tasks": list(spec.ruler_tasks), "lengths": lengths, "limit": spec.ruler_limit}
     return metrics, record
+
+
+def load_model(cell: Cell, checkpoint: Path) -> GatedLM:
+    """The cell's model with the weights of ``checkpoint`` (``final.ckpt``: ``LMModule``'s, under
+    ``model.``), on the GPU where there is one.
+
+    Raises:
+        FileNotFoundError: no such file. RuntimeError: the weights do not fit the config.
+    """
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
+    model = GatedLM(cell.config.model)
+    model.load_state_dict({k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")})
+    return model.to("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def first_stage(cell: Cell) -> Cell:
+    """The cell the stages of ``cell`` start from (itself when it has no parent)."""
+    while cell.parent is not None:
+        cell = cell.parent
+    return cell
+
+
+def score_missing_long_context(
+    tracker: Tracker,
+    grid: Grid,
+    cells: list[Cell],
+    cache_root: Path | None = None,
+    out: Callable[[str], None] = print,
+) -> tuple[int, int]:
+    """Score every finished run of ``cells`` whose row the grid's ``longctx:`` names and which has
+    no scores yet; log them to the run at its last step. A run whose evaluation fails gets the tag
+    ``longctx_error`` (one line here) and the others go on; the next call tries it again.
+
+    Returns:
+        (scored, failed) counts.
+    """
+    spec = grid.longctx
+    todo: dict[str, tuple[Cell, Any]] = {}
+    for cell in cells if spec is not None else ():
+        run = tracker.done_run(cell.run_key)
+        if spec.scores(cell.row.id) and run is not None and run.data.tags.get("status") == Status.FINISHED:
+            if run.data.tags.get(SCORED_TAG) != "scored":
+                todo.setdefault(run.info.run_id, (cell, run))
+    failed = 0
+    for i, (cell, run) in enumerate(todo.values(), start=1):
+        prefix = f"[long context {i}/{len(todo)}] {cell.row.id} s{cell.seed}"
+        started = time.perf_counter()
+        try:
+            model = load_model(cell, Path(run.data.tags.get("checkpoint", "")))
+            corpus = build_corpus(cell.config.data, cache_root, log=lambda _msg: None)
+            base_len, train_len = first_stage(cell).config.train.seq_len, cell.config.train.seq_len
+            metrics, record = score_long_context(model, corpus, spec, base_len, train_len, cell.seed)
+        except Exception as err:  # one run's evaluation must not stop the others
+            failed += 1
+            tracker.client.set_tag(run.info.run_id, "longctx_error", f"{type(err).__name__}: {err}"[:5000])
+            out(f"{prefix} FAILED: {type(err).__name__}: {err}".splitlines()[0])
+            continue
+        run_id = run.info.run_id
+        tracker.log_metrics(run_id, metrics, step=cell.config.train.max_steps)
+        tracker.log_json(run_id, record, "longctx.json")
+        tracker.client.set_tag(run_id, SCORED_TAG, "scored")
+        out(f"{prefix}: {len(metrics)} scores in {time.perf_counter() - started:.0f} s")
+    return len(todo) - failed, failed

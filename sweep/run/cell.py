@@ -4,9 +4,6 @@ logger, checkpoints and artifacts around it."""
 from __future__ import annotations
 
 import tempfile
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -14,7 +11,6 @@ import lightning.pytorch as pl
 from experiments import names as N
 from experiments.checkpointing import FINAL_CHECKPOINT
 from experiments.train import Training
-from sweep.evalspec import LongContextSpec
 from sweep.grid import Cell
 from sweep.run.progress import ProgressPrinter
 from sweep.run.resume import FlushBeforeCheckpoint, ResumingMLFlowLogger
@@ -41,7 +37,6 @@ def train_cell(
     resume_from: Path | None = None,
     replayed: dict[str, int] | None = None,
     start_weights: Path | None = None,
-    longctx: LongContextJob | None = None,
 ) -> dict[str, float]:
     """Train one cell into MLflow run ``run_id``, probe it, and return its final metrics.
 
@@ -59,9 +54,6 @@ def train_cell(
     (``step<N>.ckpt``); ``replayed`` (metric key -> highest step already in the run) keeps the
     replayed steps from being logged twice. ``start_weights`` (a later stage's parent's
     ``final.ckpt``) are the weights a fit from step 0 starts from; a resumed fit restores its own.
-    With ``longctx``, the probed model is then scored by evaluation length with and without YaRN
-    (``sweep.eval.longctx_run``: ``longctx/<task>/<len>[.yarn]`` metrics, a ``longctx.json``
-    artifact); if that fails, the run keeps its result and gets a ``longctx_error`` tag.
 
     Raises:
         experiments.stability.Diverged: the loss diverged; the last periodic checkpoint stays.
@@ -110,47 +102,4 @@ def train_cell(
         with tempfile.TemporaryDirectory() as tmp:
             tracker.log_files(run_id, probes.save(Path(tmp)), "probes")
         final.update(probes.summary)
-        if longctx is not None:
-            final.update(_long_context(run, cell, tracker, run_id, longctx, log_once, progress))
         return final
-
-
-@dataclass(frozen=True)
-class LongContextJob:
-    """A cell's long-context evaluation: the grid's ``longctx:`` section and the scale's context
-    (the first stage's ``train.seq_len``, what the lengths multiply)."""
-
-    spec: LongContextSpec
-    base_len: int
-
-
-def _long_context(
-    run: Training,
-    cell: Cell,
-    tracker: Tracker,
-    run_id: str,
-    job: LongContextJob,
-    log_once: Callable[[dict[str, float], int], None],
-    progress: ProgressPrinter,
-) -> dict[str, float]:
-    from sweep.eval.longctx_run import score_long_context
-
-    started = time.perf_counter()
-    try:
-        metrics, record = score_long_context(
-            run.module.model,
-            run.datamodule.corpus,
-            job.spec,
-            job.base_len,
-            cell.config.train.seq_len,
-            cell.seed,
-        )
-    except (RuntimeError, ValueError) as err:  # out of memory, RULER's extra missing: the result stays
-        tracker.client.set_tag(run_id, "longctx_error", f"{type(err).__name__}: {err}"[:5000])
-        progress.out(f"{progress.prefix} long-context evaluation failed (tag longctx_error): {err}")
-        return {}
-    log_once(metrics, step=run.step)
-    tracker.log_json(run_id, record, "longctx.json")
-    seconds = time.perf_counter() - started
-    progress.out(f"{progress.prefix} long-context evaluation: {len(metrics)} scores in {seconds:.0f} s")
-    return metrics

@@ -2,29 +2,26 @@
 
 from __future__ import annotations
 
-import logging
-import os
 import shutil
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from mlflow.exceptions import MlflowException
 
 from experiments import names as N
-from experiments.checkpointing import FINAL_CHECKPOINT, drop_step_checkpoints, latest_checkpoint
+from experiments.checkpointing import drop_step_checkpoints, latest_checkpoint
 from experiments.corpus import build_corpus
 from experiments.names import Outcome, Status
 from experiments.stability import Diverged
 from sweep.grid import Cell, Grid
 from sweep.gridfile import GridError
-from sweep.run.cell import LongContextJob, checkpoint_dir, train_cell
+from sweep.run.cell import checkpoint_dir, train_cell
 from sweep.run.interrupt import Interrupted, StopOnRequest, StopRequest
 from sweep.run.progress import ProgressPrinter, SweepClock
+from sweep.run.quiet import CELL_THREADS, pin_threads, quiet_lightning  # noqa: F401 (re-exported)
 from sweep.run.resume import (
     HEARTBEAT_TAG,
     STALE_BEATS,
@@ -34,6 +31,7 @@ from sweep.run.resume import (
     owner_tags,
     usable_checkpoint,
 )
+from sweep.run.stages import Stage, parent_stage
 from sweep.sqlite_lock import claim_lock
 from sweep.store import Tracker, TrackingError, check_reachable, experiment_name, tracking_uri
 from sweep.studies import HEARTBEAT_S
@@ -48,34 +46,6 @@ class CellResult:
     seconds: float = 0.0
     note: str = ""
     avg_ppl: float | None = None  # the final validation Avg PPL of a cell trained to the end
-
-
-#: Torch threads of every cell on the CPU. Fixed, so a cell's arithmetic, and so its numbers, does
-#: not depend on how many workers share the machine: the workers are the parallelism. On 2 cores
-#: two one-thread workers trained 1.49x the tokens per second of one two-thread process.
-CELL_THREADS = 1
-
-
-def pin_threads() -> None:
-    """Set this process's torch threads to :data:`CELL_THREADS`."""
-    torch.set_num_threads(CELL_THREADS)
-
-
-def quiet_lightning() -> None:
-    """Keep Lightning's banner lines, small-data warnings and MLflow's logged tracebacks out of
-    the sweep's log."""
-    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # read when mlflow is imported
-    logging.getLogger("mlflow").setLevel(logging.WARNING)
-    # The SQL store logs every database error with its traceback, then raises it as an
-    # MlflowException, which the sweep reports in one line (a cell's failure, a store gone).
-    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
-    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", ".*does not have many workers.*")
-    warnings.filterwarnings("ignore", ".*to avoid cluttering logs.*")
-    warnings.filterwarnings("ignore", ".*GPU available but not used.*")
-    warnings.filterwarnings("ignore", ".*isinstance.treespec, LeafSpec.*")
-    warnings.filterwarnings("ignore", ".*resuming from a checkpoint that ended before the epoch ended.*")
 
 
 @dataclass
@@ -152,46 +122,6 @@ class Claim:
     start_weights: Path | None = None  # a later stage's parent's final.ckpt (used from step 0 only)
 
 
-@dataclass
-class Stage:
-    """Where a later stage (``Row.parent``) starts: its parent's finished weights and run."""
-
-    weights: Path
-    tags: dict[str, str]  # parent_run, mlflow.parentRunId (the UI nests the stage under it), stage
-
-
-def long_context_job(grid: Grid, cell: Cell) -> LongContextJob | None:
-    """The cell's long-context evaluation, when the grid's ``longctx:`` scores its row."""
-    if grid.longctx is None or not grid.longctx.scores(cell.row.id):
-        return None
-    first = cell
-    while first.parent is not None:
-        first = first.parent
-    return LongContextJob(grid.longctx, first.config.train.seq_len)
-
-
-def parent_stage(cell: Cell, ctx: SweepContext) -> Stage | str:
-    """The parent's finished weights and the tags that link the stage's run to the parent's;
-    or, when the parent has none to give, a note saying why (the cell cannot train yet)."""
-    parent = cell.parent
-    done = ctx.tracker.done_run(parent.run_key)
-    name = f"row {parent.row.id} s{parent.seed}"
-    if done is None:
-        return f"its parent {name} has no finished run"
-    status = done.data.tags.get("status")
-    if status != Status.FINISHED:
-        return f"its parent {name} {status} (run {done.info.run_id})"
-    run_id = done.info.run_id
-    weights = checkpoint_dir(ctx.results_dir, ctx.tracker.experiment_name_of(done), run_id) / FINAL_CHECKPOINT
-    if not weights.is_file():
-        return f"its parent {name}'s weights {weights} are gone (FORCE=1 ROWS={parent.row.id} retrains it)"
-    depth = 1
-    while (parent := parent.parent) is not None:
-        depth += 1
-    tags = {"parent_run": run_id, "mlflow.parentRunId": run_id, "stage": str(depth + 1)}
-    return Stage(weights, tags)
-
-
 def claim_run(
     cell: Cell, ctx: SweepContext, unfinished: Any | None, prefix: str, stage: Stage | None = None
 ) -> Claim:
@@ -205,11 +135,14 @@ def claim_run(
     """
     tracker, out = ctx.tracker, ctx.out
     weights, stage_tags = (stage.weights, stage.tags) if stage is not None else (None, {})
-    if unfinished is None:
+
+    def new_run(restarted: bool = False) -> Claim:
         run_id = tracker.start_cell(cell, {**owner_tags(), **stage_tags})
-        return Claim(
-            run_id, checkpoint_dir(ctx.results_dir, tracker.experiment, run_id), start_weights=weights
-        )
+        folder = checkpoint_dir(ctx.results_dir, tracker.experiment, run_id)
+        return Claim(run_id, folder, restarted=restarted, start_weights=weights)
+
+    if unfinished is None:
+        return new_run()
     old_id, old_status = unfinished.info.run_id, unfinished.data.tags.get("status")
     checkpoints = checkpoint_dir(ctx.results_dir, tracker.experiment_name_of(unfinished), old_id)
     resume_from = latest_checkpoint(checkpoints)
@@ -219,13 +152,12 @@ def claim_run(
     if resume_from is None:
         tracker.delete(old_id)  # its points belong to a trajectory nobody can continue
         shutil.rmtree(checkpoints, ignore_errors=True)
-        run_id = tracker.start_cell(cell, {**owner_tags(), **stage_tags})
+        claim = new_run(restarted=True)
         out(
-            f"{prefix} restarting from step 0 in run {run_id}: "
+            f"{prefix} restarting from step 0 in run {claim.run_id}: "
             f"run {old_id} ({old_status}) has {why}; deleted it"
         )
-        folder = checkpoint_dir(ctx.results_dir, tracker.experiment, run_id)
-        return Claim(run_id, folder, restarted=True, start_weights=weights)
+        return claim
     for stale in checkpoints.glob("step*.ckpt*"):
         if stale != resume_from:
             stale.unlink()
@@ -277,7 +209,7 @@ def run_cell(
         if unfinished is not None and (owner := live_owner(unfinished, STALE_BEATS * ctx.heartbeat_s)):
             out(f"{prefix} skipped: being trained by {owner} (run {unfinished.info.run_id})")
             return CellResult(cell, Outcome.BUSY, note=f"being trained by {owner}")
-        stage = parent_stage(cell, ctx) if cell.parent is not None else None
+        stage = parent_stage(cell, tracker, ctx.results_dir) if cell.parent is not None else None
         if isinstance(stage, str):
             out(f"{prefix} FAILED: {stage}; it trains once the parent has finished")
             return CellResult(cell, Outcome.FAILED, note=stage)
@@ -327,7 +259,6 @@ def train_and_record(
             resume_from=claim.resume_from,
             replayed=claim.replayed,
             start_weights=claim.start_weights,
-            longctx=long_context_job(ctx.grid, cell),
         )
     except Interrupted as err:
         tracker.client.set_tag(run_id, "checkpoint", str(err.checkpoint))
