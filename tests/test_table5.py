@@ -156,3 +156,20 @@ def test_the_shipped_table5_grid_keeps_the_recipe() -> None:
             assert two.train.seq_len * two.train.batch_size == one.train.seq_len * one.train.batch_size
         assert cells["sdpa_elementwise_long"].config.model.gate.position == "sdpa"
     assert grid.longctx.rows == ("baseline_long", "sdpa_elementwise_long") and grid.longctx.yarn_factor == 4.0
+
+
+def test_ruler_tasks_without_the_extra_warn_and_leave_the_other_scores(table5: dict) -> None:
+    from sweep.eval.longctx_run import score_missing_long_context
+    from sweep.eval.ruler import missing_packages
+    from sweep.store import Tracker, tracking_uri
+
+    if not missing_packages():
+        pytest.skip("the ruler extra is installed here")
+    grid_file = table5["grid"].parent / "ruler.yaml"
+    grid_file.write_text(TABLE5.replace("trials: 2}", "trials: 2, ruler_tasks: [niah_single_1]}"))
+    grid = load_grid(grid_file)
+    results = table5["results"]
+    tracker = Tracker(tracking_uri(results), "micro-tiny", results / "mlartifacts")
+    lines: list[str] = []
+    assert score_missing_long_context(tracker, grid, grid.cells("tiny"), out=lines.append) == (0, 0)
+    assert len(lines) == 1 and "longctx.ruler_tasks not scored" in lines[0] and ".[ruler]" in lines[0]

@@ -6,6 +6,7 @@ scored once (tag ``longctx=scored``). Source: Table 5 of Qiu et al. (2025), Sect
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -50,24 +51,47 @@ def score_long_context(
     result = evaluate_long_context(model, corpus, base_len, train_len, spec, seed)
     metrics, record = dict(result.metrics), result.records()
     if spec.ruler_tasks:
-        from sweep.eval.ruler import ruler_scores
-
-        lengths = sorted({m * base_len for m in spec.lengths if m * base_len >= RULER_MIN_LEN})
-        rope, was_training = model.rope, model.training
-        try:
-            for yarn in (False, True):
-                scaling = YarnScaling(spec.yarn_factor, train_len) if yarn else None
-                model.set_rope(theta=rope.theta, max_seq_len=lengths[-1], yarn=scaling)
-                metrics.update(
-                    ruler_scores(
-                        model, corpus.tokenizer(), spec.ruler_tasks, lengths, spec.ruler_limit, yarn=yarn
-                    )
-                )
-        finally:
-            model.rope = rope
-            model.train(was_training)
-        record["ruler"] = {"tasks": list(spec.ruler_tasks), "lengths": lengths, "limit": spec.ruler_limit}
+        metrics.update(ruler_part(model, corpus, spec, base_len, train_len, record))
     return metrics, record
+
+
+def ruler_part(
+    model: GatedLM,
+    corpus: Corpus,
+    spec: LongContextSpec,
+    base_len: int,
+    train_len: int,
+    record: dict[str, Any],
+) -> dict[str, float]:
+    """RULER's ``spec.ruler_tasks`` at each length of at least :data:`RULER_MIN_LEN` tokens, with
+    the model's RoPE and with YaRN; a (task, length) lm-eval cannot build (too short for its
+    template, say) is skipped and named in ``record["ruler"]["skipped"]``, the others go on."""
+    from sweep.eval.ruler import ruler_scores
+
+    lengths = sorted({m * base_len for m in spec.lengths if m * base_len >= RULER_MIN_LEN})
+    skipped: list[str] = []
+    record["ruler"] = {"tasks": list(spec.ruler_tasks), "lengths": lengths, "limit": spec.ruler_limit,
+                       "skipped": skipped}  # fmt: skip
+    metrics: dict[str, float] = {}
+    rope, was_training = model.rope, model.training
+    try:
+        for yarn in (False, True):
+            scaling = YarnScaling(spec.yarn_factor, train_len) if yarn else None
+            model.set_rope(theta=rope.theta, max_seq_len=max(lengths, default=base_len), yarn=scaling)
+            for task in spec.ruler_tasks:
+                for length in lengths:
+                    try:
+                        metrics.update(
+                            ruler_scores(
+                                model, corpus.tokenizer(), [task], [length], spec.ruler_limit, yarn=yarn
+                            )
+                        )
+                    except ValueError as err:  # lm-eval cannot build this task at this length
+                        skipped.append(f"{task} at {length}{' (YaRN)' if yarn else ''}: {err}")
+    finally:
+        model.rope = rope
+        model.train(was_training)
+    return metrics
 
 
 def load_model(cell: Cell, checkpoint: Path) -> GatedLM:
@@ -105,6 +129,12 @@ def score_missing_long_context(
         (scored, failed) counts.
     """
     spec = grid.longctx
+    if spec is not None and spec.ruler_tasks:
+        from sweep.eval.ruler import INSTALL, missing_packages
+
+        if missing := missing_packages():  # the other scores go on; RULER's need the extra
+            out(f"warning: longctx.ruler_tasks not scored: they need {', '.join(missing)} ({INSTALL})")
+            spec = dataclasses.replace(spec, ruler_tasks=())
     todo: dict[str, tuple[Cell, Any]] = {}
     for cell in cells if spec is not None else ():
         run = tracker.done_run(cell.run_key)
