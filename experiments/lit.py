@@ -94,6 +94,11 @@ class LMModule(pl.LightningModule):
     ``probe_every``-th validation and log beside its ``val/*`` metrics (same step), except at the
     last step, which the sweep probes once after training.
 
+    Under data parallelism (``experiments.distributed``) the training figures are the global
+    batch's (losses averaged over the ranks, so every rank takes the same divergence decision;
+    tokens/s of all ranks), every rank validates and probes the same held-out windows (a MoE
+    forward all-reduces, so all must), and rank 0 alone logs.
+
     Args:
         cfg: the run configuration.
         domains: validation domain names, in the order of the validation dataloaders.
@@ -137,29 +142,36 @@ class LMModule(pl.LightningModule):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
-        value = float(loss.detach())
-        check_divergence(self.global_step, value, self.diverge_bound)
-        if self.spikes.update(self.global_step, value) and self.logger is not None:
-            self.logger.log_metrics({N.SPIKE: value}, step=self.global_step)
-        self.log(N.TRAIN_LOSS, loss, on_step=True, prog_bar=False, logger=True)
+        mean = self.across_ranks(loss.detach())  # the global batch's loss, the same on every rank
+        value = float(mean)
+        check_divergence(self.global_step, value, self.diverge_bound)  # so every rank stops together
+        if self.spikes.update(self.global_step, value):
+            self._log_at_step({N.SPIKE: value})
+        self.log(N.TRAIN_LOSS, mean, on_step=True, prog_bar=False, logger=True)
         self.log(N.TRAIN_LR, self.lr_schedulers().get_last_lr()[0], on_step=True, logger=True)
         aux = self.auxiliary()
         if aux is None:
             return loss
         total, lb, z, stats = aux
-        self.log(N.TRAIN_LB_LOSS, lb, on_step=True, logger=True)
-        self.log(N.TRAIN_Z_LOSS, z, on_step=True, logger=True)
+        self.log(N.TRAIN_LB_LOSS, self.across_ranks(lb.detach()), on_step=True, logger=True)
+        self.log(N.TRAIN_Z_LOSS, self.across_ranks(z.detach()), on_step=True, logger=True)
         self.log(N.MOE_LOAD_CV, mean_load_cv(stats), on_step=True, logger=True)
         return loss + total
+
+    def across_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of a 0-d float tensor over the data-parallel ranks (an all-reduce under DDP;
+        ``value`` itself in one process). Each rank holds an equal share of the global batch, so
+        the mean of the ranks' batch means is the global batch's mean."""
+        return self.trainer.strategy.reduce(value, reduce_op="mean")
 
     def on_fit_start(self) -> None:
         """Log the gate's statistics at initialisation (``experiments.init_stats``) at step 0, on
         the first :data:`INIT_PROBE_SEQS` probe sequences; a resumed fit has logged them already."""
         if self.global_step == 0 and self.probe_tokens is not None and self.logger is not None:
             tokens = self.probe_tokens[:INIT_PROBE_SEQS].to(self.device)
-            stats = init_statistics(self.model, tokens)
+            stats = init_statistics(self.model, tokens)  # on every rank: a MoE forward all-reduces
             if stats:
-                self.logger.log_metrics(stats, step=0)
+                self._log_at_step(stats)
 
     def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> None:
         if self._resumed_rng is not None:  # the state saved at the start of this same step
@@ -169,7 +181,8 @@ class LMModule(pl.LightningModule):
 
     def on_train_batch_end(self, outputs, batch: torch.Tensor, batch_idx: int) -> None:
         seconds = time.perf_counter() - self._step_clock
-        self.log(N.TRAIN_TOKENS_PER_S, batch[:, 1:].numel() / max(seconds, 1e-9), on_step=True, logger=True)
+        tokens = batch[:, 1:].numel() * self.trainer.world_size  # the global batch's
+        self.log(N.TRAIN_TOKENS_PER_S, tokens / max(seconds, 1e-9), on_step=True, logger=True)
 
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, *args: object, **kwargs: object
@@ -211,7 +224,8 @@ class LMModule(pl.LightningModule):
             self._log_at_step(self.probe().metrics())
 
     def _log_at_step(self, metrics: dict[str, float]) -> None:
-        if self.logger is not None:
+        """Log ``metrics`` at the optimiser step, from rank 0 only (every rank computed them)."""
+        if self.logger is not None and self.trainer.is_global_zero:
             self.logger.log_metrics(metrics, step=self.global_step)
 
     def probe(self) -> ProbeResult:

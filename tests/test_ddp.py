@@ -1,0 +1,107 @@
+"""One cell on two CPU processes (Lightning DDP over gloo) trains as it does in one process.
+
+The same global batch split over two ranks gives, step by step, the same global-batch losses as
+one process, the same step checkpoint and the same final weights; a resume of the two-rank run
+from its mid-run checkpoint ends on those weights again. A dense and a MoE cell (its global-batch
+load balancing all-reduces the expert counts across the ranks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import ROOT
+
+from experiments import names as N
+from experiments.config import DataConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig
+from experiments.distributed import spawn_ranks
+from experiments.train import Training
+
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo backend"),
+    pytest.mark.filterwarnings("ignore:You called .self.log:UserWarning"),  # no logger: nothing to log to
+]
+
+MODEL = ModelConfig(
+    vocab_size=512, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64, max_seq_len=32
+)
+TRAIN = TrainConfig(
+    max_steps=6, batch_size=4, seq_len=32, warmup_steps=2, val_every=3, val_tokens=512, checkpoint_every=3
+)
+DATA = DataConfig(vocab_size=512, max_chars_per_source=200000)
+KINDS = {
+    "dense": MODEL,
+    "moe": dataclasses.replace(MODEL, moe=MoEConfig(n_experts=4, top_k=2, expert_dim=16)),
+}
+
+
+class LossRecorder(pl.Callback):
+    """Each step's logged ``train/loss`` (the global batch's, on every rank)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        self.losses.append(float(trainer.callback_metrics[N.TRAIN_LOSS]))
+
+
+def train(cfg: RunConfig, checkpoints: Path, final: Path, resume: Path | None = None) -> dict:
+    """Fit ``cfg`` (one rank of it under DDP), validate, save the final weights; the losses and
+    the last validation's figures."""
+    recorder = LossRecorder()
+    run = Training(cfg, cache_root=ROOT / ".cache", callbacks=[recorder], checkpoints=checkpoints)
+    run.fit(resume)
+    figures = run.finish()
+    run.save_weights(final)
+    return {"losses": recorder.losses, "val_loss": figures[N.VAL_LOSS], "world": run.trainer.world_size}
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+
+
+def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Equal to float tolerance: 1e-4 of each tensor's largest entry (an AdamW step turns float
+    noise in a near-zero gradient into a change of about 1e-6 in a weight of about 0.08)."""
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-4 * float(b[k].abs().max())), k
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_two_gloo_ranks_train_as_one_process(kind: str, tmp_path: Path) -> None:
+    one_cfg = RunConfig(model=KINDS[kind], train=TRAIN, data=DATA)
+    two_cfg = dataclasses.replace(one_cfg, train=dataclasses.replace(TRAIN, devices=2, strategy="ddp"))
+
+    one = train(one_cfg, tmp_path / "one", tmp_path / "one.ckpt")
+    two = spawn_ranks(train, 2, two_cfg, tmp_path / "two", tmp_path / "two.ckpt")
+    assert (one["world"], two["world"]) == (1, 2)
+    assert len(one["losses"]) == len(two["losses"]) == TRAIN.max_steps
+    assert two["losses"] == pytest.approx(one["losses"], rel=1e-4)
+    assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-4)
+    assert_close(weights(tmp_path / "two.ckpt"), weights(tmp_path / "one.ckpt"))
+
+    # The mid-run training state: one file, written by rank 0, as one process writes it.
+    mid = "step000003.ckpt"
+    assert [p.name for p in (tmp_path / "two").iterdir()] == [mid]
+    one_state = torch.load(tmp_path / "one" / mid, weights_only=False)
+    two_state = torch.load(tmp_path / "two" / mid, weights_only=False)
+    assert_close(two_state["state_dict"], one_state["state_dict"])
+    assert two_state["global_step"] == one_state["global_step"] == 3
+    for a, b in zip(
+        two_state["optimizer_states"][0]["state"].values(), one_state["optimizer_states"][0]["state"].values()
+    ):
+        assert_close(a, b)
+
+    # Both ranks restore it and finish on the uninterrupted run's weights.
+    resumed = spawn_ranks(
+        train, 2, two_cfg, tmp_path / "two", tmp_path / "resumed.ckpt", tmp_path / "two" / mid
+    )
+    assert resumed["losses"] == pytest.approx(two["losses"][3:], rel=1e-5)
+    assert_close(weights(tmp_path / "resumed.ckpt"), weights(tmp_path / "two.ckpt"))
