@@ -96,7 +96,8 @@ class LMModule(pl.LightningModule):
 
     Under data parallelism (``experiments.distributed``) the training figures are the global
     batch's (losses averaged over the ranks, so every rank takes the same divergence decision;
-    tokens/s of all ranks), every rank validates and probes the same held-out windows (a MoE
+    tokens/s of all ranks; with ``train.grad_accum`` micro-batches a step, the means over them,
+    logged once a step), every rank validates and probes the same held-out windows (a MoE
     forward all-reduces, so all must), and rank 0 alone logs.
 
     Args:
@@ -120,6 +121,7 @@ class LMModule(pl.LightningModule):
         self._nll_sum = torch.zeros(len(self.domains), dtype=torch.float64)
         self._tok_count = torch.zeros(len(self.domains), dtype=torch.float64)
         self._step_clock = 0.0
+        self._pending: dict[str, torch.Tensor] = {}  # the optimiser step's figures so far
         self._resumed_rng: dict | None = None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -142,21 +144,36 @@ class LMModule(pl.LightningModule):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
-        mean = self.across_ranks(loss.detach())  # the global batch's loss, the same on every rank
-        value = float(mean)
-        check_divergence(self.global_step, value, self.diverge_bound)  # so every rank stops together
-        if self.spikes.update(self.global_step, value):
-            self._log_at_step({N.SPIKE: value})
-        self.log(N.TRAIN_LOSS, mean, on_step=True, prog_bar=False, logger=True)
-        self.log(N.TRAIN_LR, self.lr_schedulers().get_last_lr()[0], on_step=True, logger=True)
         aux = self.auxiliary()
-        if aux is None:
-            return loss
-        total, lb, z, stats = aux
-        self.log(N.TRAIN_LB_LOSS, self.across_ranks(lb.detach()), on_step=True, logger=True)
-        self.log(N.TRAIN_Z_LOSS, self.across_ranks(z.detach()), on_step=True, logger=True)
-        self.log(N.MOE_LOAD_CV, mean_load_cv(stats), on_step=True, logger=True)
-        return loss + total
+        figures = (
+            {N.TRAIN_LOSS: loss}
+            if aux is None
+            else {N.TRAIN_LOSS: loss, N.TRAIN_LB_LOSS: aux[1], N.TRAIN_Z_LOSS: aux[2]}
+        )
+        step = self._step_means(figures, batch_idx)
+        if step is not None:  # the step's last micro-batch: the global batch's figures, on every rank
+            value = float(step[N.TRAIN_LOSS])
+            check_divergence(self.global_step, value, self.diverge_bound)  # every rank stops together
+            if self.spikes.update(self.global_step, value):
+                self._log_at_step({N.SPIKE: value})
+            for name, mean in step.items():
+                self.log(name, mean, on_step=True, logger=True)
+            self.log(N.TRAIN_LR, self.lr_schedulers().get_last_lr()[0], on_step=True, logger=True)
+            if aux is not None:
+                self.log(N.MOE_LOAD_CV, mean_load_cv(aux[3]), on_step=True, logger=True)
+        return loss if aux is None else loss + aux[0]
+
+    def _step_means(self, figures: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor] | None:
+        """Add a micro-batch's 0-d ``figures`` (averaged over the ranks) to its optimiser step's;
+        at the step's last micro-batch, the step's means (the global batch's), else None. With
+        one micro-batch a step, the figures themselves."""
+        accum = self.trainer.accumulate_grad_batches
+        for name, v in figures.items():
+            self._pending[name] = self._pending.get(name, 0.0) + self.across_ranks(v.detach()) / accum
+        if (batch_idx + 1) % accum:
+            return None
+        step, self._pending = self._pending, {}
+        return step
 
     def across_ranks(self, value: torch.Tensor) -> torch.Tensor:
         """The mean of a 0-d float tensor over the data-parallel ranks (an all-reduce under DDP;
@@ -177,11 +194,16 @@ class LMModule(pl.LightningModule):
         if self._resumed_rng is not None:  # the state saved at the start of this same step
             set_rng_state(self._resumed_rng)
             self._resumed_rng = None
-        self._step_clock = time.perf_counter()  # per step, so validation time is never counted
+        if batch_idx % self.trainer.accumulate_grad_batches == 0:  # a step's first micro-batch
+            self._pending = {}
+            self._step_clock = time.perf_counter()  # per step, so validation time is never counted
 
     def on_train_batch_end(self, outputs, batch: torch.Tensor, batch_idx: int) -> None:
+        accum = self.trainer.accumulate_grad_batches
+        if (batch_idx + 1) % accum:
+            return
         seconds = time.perf_counter() - self._step_clock
-        tokens = batch[:, 1:].numel() * self.trainer.world_size  # the global batch's
+        tokens = batch[:, 1:].numel() * self.trainer.world_size * accum  # the global batch's
         self.log(N.TRAIN_TOKENS_PER_S, tokens / max(seconds, 1e-9), on_step=True, logger=True)
 
     def configure_gradient_clipping(

@@ -35,7 +35,8 @@ def build_trainer(t: TrainConfig, logger: Any = False, callbacks: Sequence[pl.Ca
     files, no progress bar (the caller prints its own). ``LMModule`` clips the gradients itself.
 
     The data module shards each global batch over the processes itself (``ResumingSampler``), so
-    Lightning's distributed sampler is off.
+    Lightning's distributed sampler is off; each process takes ``t.grad_accum`` micro-batches of
+    ``t.device_batch`` sequences per optimiser step.
     """
     return pl.Trainer(
         accelerator="auto",
@@ -43,6 +44,7 @@ def build_trainer(t: TrainConfig, logger: Any = False, callbacks: Sequence[pl.Ca
         num_nodes=t.num_nodes,
         strategy=t.strategy,
         max_steps=t.max_steps,
+        accumulate_grad_batches=t.grad_accum,
         precision=auto_precision(t.precision),
         val_check_interval=min(t.val_every, t.max_steps),
         num_sanity_val_steps=0,

@@ -15,17 +15,16 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROOT
+from conftest import MICRO, ROOT
 
 from experiments import names as N
 from experiments.config import DataConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig
 from experiments.distributed import spawn_ranks
 from experiments.train import Training
+from sweep.cli import main
 
-pytestmark = [
-    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo backend"),
-    pytest.mark.filterwarnings("ignore:You called .self.log:UserWarning"),  # no logger: nothing to log to
-]
+pytestmark = pytest.mark.filterwarnings("ignore:You called .self.log:UserWarning")  # no logger
+GLOO = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo backend")
 
 MODEL = ModelConfig(
     vocab_size=512, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64, max_seq_len=32
@@ -41,13 +40,16 @@ KINDS = {
 
 
 class LossRecorder(pl.Callback):
-    """Each step's logged ``train/loss`` (the global batch's, on every rank)."""
+    """Each optimiser step's logged ``train/loss`` (the global batch's, on every rank)."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
 
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
-        self.losses.append(float(trainer.callback_metrics[N.TRAIN_LOSS]))
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, module: object, out: object, batch: object, i: int
+    ) -> None:
+        if (i + 1) % trainer.accumulate_grad_batches == 0:  # the step's last micro-batch
+            self.losses.append(float(trainer.callback_metrics[N.TRAIN_LOSS]))
 
 
 def train(cfg: RunConfig, checkpoints: Path, final: Path, resume: Path | None = None) -> dict:
@@ -73,6 +75,7 @@ def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
         assert torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-4 * float(b[k].abs().max())), k
 
 
+@GLOO
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_two_gloo_ranks_train_as_one_process(kind: str, tmp_path: Path) -> None:
@@ -105,3 +108,38 @@ def test_two_gloo_ranks_train_as_one_process(kind: str, tmp_path: Path) -> None:
     )
     assert resumed["losses"] == pytest.approx(two["losses"][3:], rel=1e-5)
     assert_close(weights(tmp_path / "resumed.ckpt"), weights(tmp_path / "two.ckpt"))
+
+
+@GLOO
+@pytest.mark.slow
+def test_micro_batches_accumulate_to_the_global_batch(tmp_path: Path) -> None:
+    """Two ranks of two micro-batches of one sequence each (``grad_accum: 2``) step on the global
+    batch of four: one process's losses and weights, also after a resume from the mid-run state."""
+    one_cfg = RunConfig(model=MODEL, train=TRAIN, data=DATA)
+    accum = dataclasses.replace(TRAIN, devices=2, strategy="ddp", grad_accum=2)
+    assert accum.device_batch == 1
+    cfg = dataclasses.replace(one_cfg, train=accum)
+
+    one = train(one_cfg, tmp_path / "one", tmp_path / "one.ckpt")
+    two = spawn_ranks(train, 2, cfg, tmp_path / "two", tmp_path / "two.ckpt")
+    assert two["losses"] == pytest.approx(one["losses"], rel=1e-4) and len(two["losses"]) == TRAIN.max_steps
+    assert_close(weights(tmp_path / "two.ckpt"), weights(tmp_path / "one.ckpt"))
+    mid = tmp_path / "two" / "step000003.ckpt"
+    resumed = spawn_ranks(train, 2, cfg, tmp_path / "two", tmp_path / "resumed.ckpt", mid)
+    assert resumed["losses"] == pytest.approx(two["losses"][3:], rel=1e-5)
+    assert_close(weights(tmp_path / "resumed.ckpt"), weights(tmp_path / "two.ckpt"))
+
+
+def test_a_global_batch_that_does_not_split_exits_2_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(MICRO + "  - {id: three, train: {devices: 3}}\n")  # a batch of 4 on 3 devices
+    code = main(["sweep", "--grid", str(grid), "--results", str(tmp_path / "results")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert err == (
+        f"error: {grid}: row 'three': train.batch_size: the global batch 4 does not split into "
+        "train.devices x num_nodes x grad_accum = 3 x 1 x 1 = 3 equal batches (at scale 'tiny')"
+    )
+    assert not (tmp_path / "results").exists()
