@@ -143,3 +143,50 @@ def test_a_global_batch_that_does_not_split_exits_2_with_one_line(
         "train.devices x num_nodes x grad_accum = 3 x 1 x 1 = 3 equal batches (at scale 'tiny')"
     )
     assert not (tmp_path / "results").exists()
+
+
+def _histories(results: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every metric of the grid's one finished cell run: key -> [(step, value)] by step."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{results / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("micro-tiny")
+    (run,) = client.search_runs([exp.experiment_id], "tags.kind = 'cell' and tags.status = 'finished'")
+    return {
+        key: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+        for key in run.data.metrics
+    }
+
+
+@GLOO
+@pytest.mark.slow
+def test_the_sweep_trains_a_moe_cell_on_two_ranks_as_in_one_process(tmp_path: Path, repo_cache: None) -> None:
+    """``train: {devices: 2, strategy: ddp}``: the sweep trains the cell on two gloo ranks; its
+    run holds every metric the one-process run holds, each step once, with the same values (but
+    throughput), and its final weights."""
+    grid_text = MICRO
+    two_text = grid_text.replace("max_lr: 2e-3}", "max_lr: 2e-3, devices: 2, strategy: ddp}")
+    assert two_text != grid_text
+    found = {}
+    for name, text in (("one", grid_text), ("two", two_text)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "grid.yaml").write_text(text)
+        results = tmp_path / name / "results"
+        args = [
+            "sweep",
+            "--grid",
+            str(tmp_path / name / "grid.yaml"),
+            "--results",
+            str(results),
+            "--rows",
+            "moe",
+        ]
+        assert main(args) == 0
+        found[name] = _histories(results)
+    one, two = found["one"], found["two"]
+    assert one.keys() == two.keys() and N.TRAIN_LOSS in one and N.VAL_PPL_AVG in one
+    for key in one.keys() - {N.TRAIN_TOKENS_PER_S}:
+        assert [s for s, _ in two[key]] == [s for s, _ in one[key]], key
+        assert [v for _, v in two[key]] == pytest.approx([v for _, v in one[key]], rel=1e-4, abs=1e-6), key
+    finals = [next((tmp_path / n / "results" / "checkpoints").glob("*/*/final.ckpt")) for n in ("one", "two")]
+    assert_close(weights(finals[1]), weights(finals[0]))
