@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from experiments import names as N
 from experiments.config import RunConfig, TrainConfig
@@ -211,8 +212,12 @@ class LMModule(pl.LightningModule):
     ) -> None:
         """Clip the gradients' global norm at ``train.grad_clip`` (0: no clipping) and log the norm
         before clipping: one pass over the gradients computes both (the trainer clips nothing)."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip or math.inf)
+        wrapped = self.trainer.strategy.model
+        if isinstance(wrapped, FSDP):  # each rank holds a shard: the norm over all of them
+            grad_norm = wrapped.clip_grad_norm_(self.cfg.train.grad_clip or math.inf)
+        else:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip or math.inf)
         if not torch.isfinite(grad_norm):  # the step would write non-finite weights
             raise Diverged(self.global_step, float(grad_norm), math.inf, what="gradient norm")
         self.log(N.TRAIN_GRAD_NORM, grad_norm, on_step=True, logger=True)

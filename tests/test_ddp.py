@@ -190,3 +190,31 @@ def test_the_sweep_trains_a_moe_cell_on_two_ranks_as_in_one_process(tmp_path: Pa
         assert [v for _, v in two[key]] == pytest.approx([v for _, v in one[key]], rel=1e-4, abs=1e-6), key
     finals = [next((tmp_path / n / "results" / "checkpoints").glob("*/*/final.ckpt")) for n in ("one", "two")]
     assert_close(weights(finals[1]), weights(finals[0]))
+
+
+def test_fsdp_at_the_paper_scale_shards_every_block() -> None:
+    """The paper scale's placement (config only: Lightning refuses FSDP without a GPU, so no
+    training test here): 128 GPUs on 16 machines, two micro-batches of 4 sequences, one FSDP unit
+    per block, fully sharded, the checkpoint gathered whole; the sweep leaves such cells to a
+    cluster launcher."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from experiments.model import Block
+    from experiments.train import lightning_strategy
+    from sweep.grid import load_grid
+    from sweep.gridfile import GridError
+    from sweep.run.runner import check_runnable
+
+    (cell,) = load_grid(ROOT / "grids/table1.yaml").cells("paper", rows=["baseline"])
+    t = cell.config.train
+    assert (t.devices, t.num_nodes, t.world_size, t.grad_accum, t.device_batch) == (8, 16, 128, 2, 4)
+    strategy = lightning_strategy(t)
+    assert isinstance(strategy, FSDPStrategy) and strategy._state_dict_type == "full"
+    assert strategy.kwargs["auto_wrap_policy"]._module_classes == {Block}
+    assert str(strategy.sharding_strategy) == "ShardingStrategy.FULL_SHARD"
+    assert lightning_strategy(TRAIN) == "auto"
+    grid = load_grid(ROOT / "grids/table1.yaml")
+    with pytest.raises(
+        GridError, match="train.num_nodes: num_nodes = 16: the sweep trains a cell on one machine"
+    ):
+        check_runnable(grid, [cell])
