@@ -16,8 +16,11 @@ all-reduce, so every rank must take part); rank 0 alone writes checkpoint files 
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import socket
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -37,7 +40,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(local_rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, out: str) -> None:
+def die_with_parent(parent: int) -> None:
+    """Have the kernel SIGKILL this process when the process that started it dies (Linux's
+    ``PR_SET_PDEATHSIG``; elsewhere nothing): a sweep worker killed with ``kill -9`` leaves no rank
+    training on, and writing into its run, behind it."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # it died before the line above: nothing would signal us
+            os._exit(1)
+
+
+def _rank_main(
+    local_rank: int, parent: int, world: int, port: int, fn: Callable[..., Any], args: tuple, out: str
+) -> None:
+    die_with_parent(parent)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), NODE_RANK="0",
         LOCAL_RANK=str(local_rank), RANK=str(local_rank),
@@ -68,7 +85,7 @@ def spawn_ranks(fn: Callable[..., Any], world: int, *args: Any) -> Any:
         out = str(Path(tmp) / "rank0.pt")
         mp.start_processes(
             _rank_main,
-            args=(world, free_port(), fn, args, out),
+            args=(os.getpid(), world, free_port(), fn, args, out),
             nprocs=world,
             join=True,
             start_method="spawn",

@@ -9,6 +9,10 @@ load balancing all-reduces the expert counts across the ranks).
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -218,3 +222,45 @@ def test_fsdp_at_the_paper_scale_shards_every_block() -> None:
         GridError, match="train.num_nodes: num_nodes = 16: the sweep trains a cell on one machine"
     ):
         check_runnable(grid, [cell])
+
+
+def _state(pid: int) -> str | None:
+    """A process's state letter (``S``, ``R``, ``Z`` for one dead but not yet reaped), or None."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def _ranks_of(parent: int) -> list[int]:
+    """The spawned ranks (``multiprocessing.spawn``) whose parent is ``parent``."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (stat.parent / "cmdline").read_bytes()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if ppid == parent and b"spawn_main" in cmd:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_ranks_die_with_the_process_that_started_them() -> None:
+    """A sweep worker killed with ``kill -9`` leaves no rank training on behind it."""
+    code = "import time\nfrom experiments.distributed import spawn_ranks\nspawn_ranks(time.sleep, 2, 600)"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while len(ranks := _ranks_of(parent.pid)) < 2:
+            assert parent.poll() is None and time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.05)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 60
+    while any(_state(pid) not in (None, "Z") for pid in ranks):  # gone, or dead and awaiting reaping
+        assert time.monotonic() < deadline, f"ranks still running: {[(p, _state(p)) for p in ranks]}"
+        time.sleep(0.05)
