@@ -212,7 +212,7 @@ class LMModule(pl.LightningModule):
     ) -> None:
         """Clip the gradients' global norm at ``train.grad_clip`` (0: no clipping) and log the norm
         before clipping: one pass over the gradients computes both (the trainer clips nothing)."""
-        wrapped = self.trainer.strategy.model
+        wrapped = self.trainer.strategy.model if self._trainer is not None else None
         if isinstance(wrapped, FSDP):  # each rank holds a shard: the norm over all of them
             grad_norm = wrapped.clip_grad_norm_(self.cfg.train.grad_clip or math.inf)
         else:
