@@ -264,3 +264,21 @@ def test_the_ranks_die_with_the_process_that_started_them() -> None:
     while any(_state(pid) not in (None, "Z") for pid in ranks):  # gone, or dead and awaiting reaping
         assert time.monotonic() < deadline, f"ranks still running: {[(p, _state(p)) for p in ranks]}"
         time.sleep(0.05)
+
+
+@GLOO
+@pytest.mark.slow
+def test_a_cell_that_diverges_on_two_ranks_is_recorded_as_diverged(tmp_path: Path, repo_cache: None) -> None:
+    """Both ranks stop at the same step (they judge the global loss); the sweep records the cell
+    as diverged at that step, as in one process, not as failed."""
+    from mlflow import MlflowClient
+
+    bound = "max_lr: 2e-3, devices: 2, strategy: ddp, diverge_factor: 1.0001}"  # ln V * 1.0001
+    (tmp_path / "grid.yaml").write_text(MICRO.replace("max_lr: 2e-3}", bound))
+    results = tmp_path / "results"
+    main(["sweep", "--grid", str(tmp_path / "grid.yaml"), "--results", str(results), "--rows", "baseline"])
+    client = MlflowClient(tracking_uri=f"sqlite:///{results / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("micro-tiny")
+    (run,) = client.search_runs([exp.experiment_id], "tags.kind = 'cell'")
+    assert run.data.tags["status"] == "diverged"
+    assert run.data.metrics["stability/diverged_step"] == 0

@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 from experiments import names as N
 from experiments.checkpointing import FINAL_CHECKPOINT
 from experiments.distributed import spawn_ranks
+from experiments.stability import Diverged
 from experiments.train import Training
 from sweep.grid import Cell
 from sweep.run.progress import ProgressPrinter, SweepClock
@@ -72,14 +73,25 @@ def train_cell(
     world = cell.config.train.world_size
     if world == 1:
         return _train(tracker, progress, extra_callbacks or [], *args)
-    return spawn_ranks(_rank, world, tracker.uri, tracker.experiment, progress.prefix, progress.clock, *args)
+    result = spawn_ranks(
+        _rank, world, tracker.uri, tracker.experiment, progress.prefix, progress.clock, *args
+    )
+    if isinstance(result, Diverged):  # every rank diverged at the same step (on the global loss)
+        raise result
+    return result
 
 
-def _rank(uri: str, experiment: str, prefix: str, clock: SweepClock, *args: object) -> dict[str, float]:
-    """One rank of a multi-process cell (:func:`train_cell`): rank 0 tracks, the others only train."""
-    if int(os.environ["RANK"]) == 0:
-        return _train(Tracker(uri, experiment), ProgressPrinter(prefix, clock), [], *args)
-    return _train(None, None, [], *args)
+def _rank(
+    uri: str, experiment: str, prefix: str, clock: SweepClock, *args: object
+) -> dict[str, float] | Diverged:
+    """One rank of a multi-process cell (:func:`train_cell`): rank 0 tracks, the others only
+    train; a divergence comes back as a value, which the parent raises."""
+    try:
+        if int(os.environ["RANK"]) == 0:
+            return _train(Tracker(uri, experiment), ProgressPrinter(prefix, clock), [], *args)
+        return _train(None, None, [], *args)
+    except Diverged as err:
+        return err
 
 
 def _train(
