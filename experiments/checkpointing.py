@@ -112,11 +112,12 @@ class PeriodicCheckpoint(pl.Callback):
         if step == 0 or step % self.every:
             return
         path = self.folder / step_checkpoint_name(step)
-        if path.exists():  # the checkpoint this run resumed from
+        # Rank 0's view of the folder decides for every rank: all must enter the save together.
+        if trainer.strategy.broadcast(path.exists()):  # the checkpoint this run resumed from
             return
         previous = latest_checkpoint(self.folder)
         save_at_step_start(trainer, path)
-        if previous is not None and previous != path:
+        if trainer.is_global_zero and previous is not None and previous != path:
             previous.unlink()
 
 
@@ -127,12 +128,14 @@ def save_at_step_start(trainer: pl.Trainer, path: Path) -> None:
     other point, adds one to the logger's step counter (``_batches_that_stepped``; see
     ``_TrainingEpochLoop.reset``). Saved here, before the step begins, that counter is already
     right, so the file stores it one lower; ``tests/test_resume.py`` checks the resumed run logs
-    every step once.
+    every step once. Every rank calls it (Lightning's rule: a sharded strategy gathers the state);
+    the ranks hold the same replica under DDP, and rank 0 writes it for all.
     """
     checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
     epoch_loop = checkpoint["loops"]["fit_loop"]["epoch_loop.state_dict"]
     epoch_loop["_batches_that_stepped"] -= 1
-    trainer.strategy.save_checkpoint(checkpoint, path)
+    trainer.strategy.save_checkpoint(checkpoint, path)  # under DDP, rank 0 writes the file
+    trainer.strategy.barrier("step-checkpoint")  # no rank goes on before the file is there
 
 
 def drop_step_checkpoints(folder: Path) -> None:

@@ -301,21 +301,29 @@ class TrainConfig:
     """Machines that train the run together (Lightning's ``num_nodes``)."""
     strategy: Literal["auto", "ddp", "fsdp"] = "auto"
     """Lightning's distribution strategy; ``auto`` on one device."""
+    grad_accum: int = 1
+    """Micro-batches each process accumulates per optimiser step (``accumulate_grad_batches``). A
+    MoE's global-batch balancing then spans one micro-batch of every rank, not the whole step."""
 
     #: Where a run trains, not what it trains: left out of the cell's ``run_key``, so one grid
     #: names the same cells on a laptop and on a cluster (the global batch is what counts).
-    PLACEMENT: ClassVar[tuple[str, ...]] = ("devices", "num_nodes", "strategy")
+    PLACEMENT: ClassVar[tuple[str, ...]] = ("devices", "num_nodes", "strategy", "grad_accum")
 
     @property
     def world_size(self) -> int:
         """Processes that train the run together: ``devices * num_nodes``."""
         return self.devices * self.num_nodes
 
+    @property
+    def device_batch(self) -> int:
+        """Sequences per process per forward: ``batch_size / (world_size * grad_accum)``."""
+        return self.batch_size // (self.world_size * self.grad_accum)
+
     def __post_init__(self) -> None:
         check_literals(self)
         for name in (
             "max_steps", "batch_size", "seq_len", "val_every", "val_tokens", "log_every", "probe_seqs",
-            "spike_window", "spike_z", "diverge_factor", "devices", "num_nodes",
+            "spike_window", "spike_z", "diverge_factor", "devices", "num_nodes", "grad_accum",
         ):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ConfigError(name, f"must be positive, got {getattr(self, name)}")
@@ -339,11 +347,11 @@ class TrainConfig:
             )
         if self.val_tokens < self.seq_len + 1:
             raise ConfigError("val_tokens", f"must be at least seq_len + 1 = {self.seq_len + 1}")
-        if self.batch_size % self.world_size:
+        if self.batch_size % (parts := self.world_size * self.grad_accum):
             raise ConfigError(
                 "batch_size",
-                f"the global batch {self.batch_size} does not split over devices x num_nodes = "
-                f"{self.world_size} processes",
+                f"the global batch {self.batch_size} does not split into train.devices x num_nodes x "
+                f"grad_accum = {self.devices} x {self.num_nodes} x {self.grad_accum} = {parts} equal batches",
             )
 
 

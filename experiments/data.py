@@ -140,9 +140,8 @@ class CorpusDataModule(pl.LightningDataModule):
         steps_done = self.trainer.global_step if self.trainer is not None else 0
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
         sampler = ResumingSampler(len(ds), steps_done * t.batch_size, rank, world, t.batch_size)
-        return DataLoader(
-            ds, batch_size=t.batch_size // world, sampler=sampler, num_workers=0, drop_last=True
-        )
+        # Rank r's slice of each global batch, in t.grad_accum consecutive micro-batches.
+        return DataLoader(ds, batch_size=t.device_batch, sampler=sampler, num_workers=0, drop_last=True)
 
     def val_dataloader(self) -> list[DataLoader]:
         t = self.train_cfg

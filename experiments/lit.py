@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from experiments import names as N
 from experiments.config import RunConfig, TrainConfig
@@ -94,6 +95,12 @@ class LMModule(pl.LightningModule):
     ``probe_every``-th validation and log beside its ``val/*`` metrics (same step), except at the
     last step, which the sweep probes once after training.
 
+    Under data parallelism (``experiments.distributed``) the training figures are the global
+    batch's (losses averaged over the ranks, so every rank takes the same divergence decision;
+    tokens/s of all ranks; with ``train.grad_accum`` micro-batches a step, the means over them,
+    logged once a step), every rank validates and probes the same held-out windows (a MoE
+    forward all-reduces, so all must), and rank 0 alone logs.
+
     Args:
         cfg: the run configuration.
         domains: validation domain names, in the order of the validation dataloaders.
@@ -115,6 +122,7 @@ class LMModule(pl.LightningModule):
         self._nll_sum = torch.zeros(len(self.domains), dtype=torch.float64)
         self._tok_count = torch.zeros(len(self.domains), dtype=torch.float64)
         self._step_clock = 0.0
+        self._pending: dict[str, torch.Tensor] = {}  # the optimiser step's figures so far
         self._resumed_rng: dict | None = None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -137,47 +145,79 @@ class LMModule(pl.LightningModule):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
-        value = float(loss.detach())
-        check_divergence(self.global_step, value, self.diverge_bound)
-        if self.spikes.update(self.global_step, value) and self.logger is not None:
-            self.logger.log_metrics({N.SPIKE: value}, step=self.global_step)
-        self.log(N.TRAIN_LOSS, loss, on_step=True, prog_bar=False, logger=True)
-        self.log(N.TRAIN_LR, self.lr_schedulers().get_last_lr()[0], on_step=True, logger=True)
         aux = self.auxiliary()
-        if aux is None:
-            return loss
-        total, lb, z, stats = aux
-        self.log(N.TRAIN_LB_LOSS, lb, on_step=True, logger=True)
-        self.log(N.TRAIN_Z_LOSS, z, on_step=True, logger=True)
-        self.log(N.MOE_LOAD_CV, mean_load_cv(stats), on_step=True, logger=True)
-        return loss + total
+        figures = (
+            {N.TRAIN_LOSS: loss}
+            if aux is None
+            else {N.TRAIN_LOSS: loss, N.TRAIN_LB_LOSS: aux[1], N.TRAIN_Z_LOSS: aux[2]}
+        )
+        step = self._step_means(figures, batch_idx)
+        if step is not None:  # the step's last micro-batch: the global batch's figures, on every rank
+            value = float(step[N.TRAIN_LOSS])
+            check_divergence(self.global_step, value, self.diverge_bound)  # every rank stops together
+            if self.spikes.update(self.global_step, value):
+                self._log_at_step({N.SPIKE: value})
+            for name, mean in step.items():
+                self.log(name, mean, on_step=True, logger=True)
+            self.log(N.TRAIN_LR, self.lr_schedulers().get_last_lr()[0], on_step=True, logger=True)
+            if aux is not None:
+                self.log(N.MOE_LOAD_CV, mean_load_cv(aux[3]), on_step=True, logger=True)
+        return loss if aux is None else loss + aux[0]
+
+    def _step_means(self, figures: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor] | None:
+        """Add a micro-batch's 0-d ``figures`` (averaged over the ranks) to its optimiser step's;
+        at the step's last micro-batch, the step's means (the global batch's), else None. With
+        one micro-batch a step, the figures themselves."""
+        accum = self.trainer.accumulate_grad_batches
+        for name, v in figures.items():
+            self._pending[name] = self._pending.get(name, 0.0) + self.across_ranks(v.detach()) / accum
+        if (batch_idx + 1) % accum:
+            return None
+        step, self._pending = self._pending, {}
+        return step
+
+    def across_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of a 0-d float tensor over the data-parallel ranks (an all-reduce under DDP;
+        ``value`` itself in one process). Each rank holds an equal share of the global batch, so
+        the mean of the ranks' batch means is the global batch's mean."""
+        return self.trainer.strategy.reduce(value, reduce_op="mean")
 
     def on_fit_start(self) -> None:
         """Log the gate's statistics at initialisation (``experiments.init_stats``) at step 0, on
         the first :data:`INIT_PROBE_SEQS` probe sequences; a resumed fit has logged them already."""
         if self.global_step == 0 and self.probe_tokens is not None and self.logger is not None:
             tokens = self.probe_tokens[:INIT_PROBE_SEQS].to(self.device)
-            stats = init_statistics(self.model, tokens)
+            stats = init_statistics(self.model, tokens)  # on every rank: a MoE forward all-reduces
             if stats:
-                self.logger.log_metrics(stats, step=0)
+                self._log_at_step(stats)
 
     def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> None:
         if self._resumed_rng is not None:  # the state saved at the start of this same step
             set_rng_state(self._resumed_rng)
             self._resumed_rng = None
-        self._step_clock = time.perf_counter()  # per step, so validation time is never counted
+        if batch_idx % self.trainer.accumulate_grad_batches == 0:  # a step's first micro-batch
+            self._pending = {}
+            self._step_clock = time.perf_counter()  # per step, so validation time is never counted
 
     def on_train_batch_end(self, outputs, batch: torch.Tensor, batch_idx: int) -> None:
+        accum = self.trainer.accumulate_grad_batches
+        if (batch_idx + 1) % accum:
+            return
         seconds = time.perf_counter() - self._step_clock
-        self.log(N.TRAIN_TOKENS_PER_S, batch[:, 1:].numel() / max(seconds, 1e-9), on_step=True, logger=True)
+        tokens = batch[:, 1:].numel() * self.trainer.world_size * accum  # the global batch's
+        self.log(N.TRAIN_TOKENS_PER_S, tokens / max(seconds, 1e-9), on_step=True, logger=True)
 
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, *args: object, **kwargs: object
     ) -> None:
         """Clip the gradients' global norm at ``train.grad_clip`` (0: no clipping) and log the norm
         before clipping: one pass over the gradients computes both (the trainer clips nothing)."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip or math.inf)
+        wrapped = self.trainer.strategy.model if self._trainer is not None else None
+        if isinstance(wrapped, FSDP):  # each rank holds a shard: the norm over all of them
+            grad_norm = wrapped.clip_grad_norm_(self.cfg.train.grad_clip or math.inf)
+        else:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip or math.inf)
         if not torch.isfinite(grad_norm):  # the step would write non-finite weights
             raise Diverged(self.global_step, float(grad_norm), math.inf, what="gradient norm")
         self.log(N.TRAIN_GRAD_NORM, grad_norm, on_step=True, logger=True)
@@ -211,7 +251,8 @@ class LMModule(pl.LightningModule):
             self._log_at_step(self.probe().metrics())
 
     def _log_at_step(self, metrics: dict[str, float]) -> None:
-        if self.logger is not None:
+        """Log ``metrics`` at the optimiser step, from rank 0 only (every rank computed them)."""
+        if self.logger is not None and self.trainer.is_global_zero:
             self.logger.log_metrics(metrics, step=self.global_step)
 
     def probe(self) -> ProbeResult:

@@ -31,6 +31,10 @@ class Diverged(RuntimeError):
         why = "is not finite" if not math.isfinite(loss) else f"exceeds the bound {bound:.3g}"
         super().__init__(f"{what} {loss:.4g} at step {step} {why}")
 
+    def __reduce__(self) -> tuple:
+        """Pickles with its fields (a rank of a multi-process run hands it to its parent)."""
+        return Diverged, (self.step, self.loss, self.bound, self.what)
+
 
 def divergence_bound(vocab_size: int, factor: float) -> float:
     """The largest acceptable training loss in nats: ``factor * ln(vocab_size)``."""

@@ -29,20 +29,37 @@ from experiments.lit import LMModule, auto_precision
 from experiments.probes import ProbeResult, probe_batch
 
 
+def lightning_strategy(t: TrainConfig) -> str | pl.strategies.Strategy:
+    """Lightning's strategy for ``t.strategy``: ``auto`` and ``ddp`` by name; ``fsdp`` as the paper
+    scale needs it: every :class:`~experiments.model.Block` (attention and its MoE FFN) one FSDP
+    unit, fully sharded (parameters, gradients and AdamW state split over the ranks: 15.6B
+    parameters x 16 bytes over 128 GPUs is 1.9 GB each), the checkpoint gathered whole on rank 0
+    (the file one process writes and reads). Mixed precision is ``t.precision``'s."""
+    if t.strategy != "fsdp":
+        return t.strategy
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from experiments.model import Block
+
+    return FSDPStrategy(auto_wrap_policy={Block}, sharding_strategy="FULL_SHARD", state_dict_type="full")
+
+
 def build_trainer(t: TrainConfig, logger: Any = False, callbacks: Sequence[pl.Callback] = ()) -> pl.Trainer:
     """The Lightning ``Trainer`` of a run: ``t.max_steps`` steps on ``t.devices`` x ``t.num_nodes``
     devices with ``t.strategy``, validating every ``t.val_every`` steps, crash-safe checkpoint
     files, no progress bar (the caller prints its own). ``LMModule`` clips the gradients itself.
 
     The data module shards each global batch over the processes itself (``ResumingSampler``), so
-    Lightning's distributed sampler is off.
+    Lightning's distributed sampler is off; each process takes ``t.grad_accum`` micro-batches of
+    ``t.device_batch`` sequences per optimiser step.
     """
     return pl.Trainer(
         accelerator="auto",
         devices=t.devices,
         num_nodes=t.num_nodes,
-        strategy=t.strategy,
+        strategy=lightning_strategy(t),
         max_steps=t.max_steps,
+        accumulate_grad_batches=t.grad_accum,
         precision=auto_precision(t.precision),
         val_check_interval=min(t.val_every, t.max_steps),
         num_sanity_val_steps=0,

@@ -364,12 +364,12 @@ def test_where_a_cell_trains_is_not_part_of_what_it_is(tmp_path: Path) -> None:
         assert run_key(RunConfig()) == "60550f9c88af2b8d"
 
 
-def test_a_cell_on_several_devices_is_refused_before_anything_starts(
+def test_a_cell_on_several_machines_is_refused_before_anything_starts(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    path = write(tmp_path, GOOD + "  - {id: two, train: {devices: 2}}\n")
+    path = write(tmp_path, GOOD + "  - {id: two, train: {num_nodes: 2}}\n")
     code = main(["sweep", "--grid", str(path), "--results", str(tmp_path / "results")])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1
-    assert err.startswith(f"error: {path}: row 'two': train.devices: devices x num_nodes = 2")
+    assert err.startswith(f"error: {path}: row 'two': train.num_nodes: num_nodes = 2: the sweep trains")
     assert not (tmp_path / "results").exists()

@@ -103,8 +103,13 @@ def test_the_global_batch_must_split_over_the_processes() -> None:
     from experiments.config import ConfigError
 
     assert TrainConfig(batch_size=8, devices=2, num_nodes=2).world_size == 4
-    with pytest.raises(ConfigError, match="batch_size: the global batch 6 does not split over"):
+    with pytest.raises(ConfigError, match="batch_size: the global batch 6 does not split into train.devices"):
         TrainConfig(batch_size=6, devices=4)
+    assert TrainConfig(batch_size=16, devices=2, grad_accum=2).device_batch == 4
+    with pytest.raises(ConfigError, match=r"1 x 1 x 3 = 3 equal batches"):
+        TrainConfig(batch_size=8, grad_accum=3)
+    with pytest.raises(ConfigError, match="grad_accum: must be positive"):
+        TrainConfig(grad_accum=0)
 
 
 @pytest.mark.filterwarnings("ignore:You called .self.log:UserWarning")  # no logger: nothing to log to

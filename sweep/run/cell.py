@@ -3,6 +3,7 @@ logger, checkpoints and artifacts around it."""
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -10,9 +11,11 @@ import lightning.pytorch as pl
 
 from experiments import names as N
 from experiments.checkpointing import FINAL_CHECKPOINT
+from experiments.distributed import spawn_ranks
+from experiments.stability import Diverged
 from experiments.train import Training
 from sweep.grid import Cell
-from sweep.run.progress import ProgressPrinter
+from sweep.run.progress import ProgressPrinter, SweepClock
 from sweep.run.resume import FlushBeforeCheckpoint, ResumingMLFlowLogger
 from sweep.store import Tracker, user_tracking_env
 
@@ -55,9 +58,66 @@ def train_cell(
     replayed steps from being logged twice. ``start_weights`` (a later stage's parent's
     ``final.ckpt``) are the weights a fit from step 0 starts from; a resumed fit restores its own.
 
+    A cell of ``train.world_size`` > 1 (on one machine) trains in that many processes
+    (:func:`experiments.distributed.spawn_ranks`, Lightning DDP): rank 0 records everything above
+    through a :class:`Tracker` of its own on the same store and prints the progress lines; the other
+    ranks train, validate and probe with it and record nothing. ``extra_callbacks`` are left out
+    there (they live in this process): a signal ends the ranks, the cell ends ``failed`` and the
+    next sweep resumes it from its last periodic checkpoint.
+
     Raises:
         experiments.stability.Diverged: the loss diverged; the last periodic checkpoint stays.
+        torch.multiprocessing.ProcessRaisedException: a rank of a multi-process cell raised.
     """
+    args = (cell, run_id, reference_params, cache_root, checkpoints, resume_from, replayed, start_weights)
+    world = cell.config.train.world_size
+    if world == 1:
+        return _train(tracker, progress, extra_callbacks or [], *args)
+    result = spawn_ranks(
+        _rank, world, tracker.uri, tracker.experiment, progress.prefix, progress.clock, *args
+    )
+    if isinstance(result, Diverged):  # every rank diverged at the same step (on the global loss)
+        raise result
+    return result
+
+
+def _rank(
+    uri: str, experiment: str, prefix: str, clock: SweepClock, *args: object
+) -> dict[str, float] | Diverged:
+    """One rank of a multi-process cell (:func:`train_cell`): rank 0 tracks, the others only
+    train; a divergence comes back as a value, which the parent raises."""
+    try:
+        if int(os.environ["RANK"]) == 0:
+            return _train(Tracker(uri, experiment), ProgressPrinter(prefix, clock), [], *args)
+        return _train(None, None, [], *args)
+    except Diverged as err:
+        return err
+
+
+def _train(
+    tracker: Tracker | None,
+    progress: ProgressPrinter | None,
+    extra_callbacks: list[pl.Callback],
+    cell: Cell,
+    run_id: str,
+    reference_params: int,
+    cache_root: Path | None,
+    checkpoints: Path,
+    resume_from: Path | None,
+    replayed: dict[str, int] | None,
+    start_weights: Path | None,
+) -> dict[str, float]:
+    """:func:`train_cell` in this process; with ``tracker`` None (a rank other than 0), nothing
+    is recorded, but every collective step (fit, validation, weights, probes) is taken."""
+    if tracker is None:
+        run = Training(cell.config, cache_root, checkpoints=checkpoints)
+        if start_weights is not None and resume_from is None:
+            run.start_from(start_weights)
+        run.fit(resume_from)
+        final = run.finish()
+        run.save_weights(checkpoints / FINAL_CHECKPOINT)
+        run.probe()
+        return final
     with user_tracking_env():  # Lightning's logger rewrites MLFLOW_TRACKING_URI
         logger = ResumingMLFlowLogger(
             replayed, experiment_name=tracker.experiment, tracking_uri=tracker.uri, run_id=run_id
@@ -66,7 +126,7 @@ def train_cell(
             cell.config,
             cache_root,
             logger=logger,
-            callbacks=[progress, FlushBeforeCheckpoint(logger), *(extra_callbacks or [])],
+            callbacks=[progress, FlushBeforeCheckpoint(logger), *extra_callbacks],
             checkpoints=checkpoints,
         )
         tracker.log_json(run_id, run.probe_record, "probe_batch.json")

@@ -59,7 +59,9 @@ class ProgressPrinter(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int
     ) -> None:
-        loss = float(outputs["loss"])
+        if (batch_idx + 1) % trainer.accumulate_grad_batches:  # not a step's last micro-batch
+            return
+        loss = float(outputs["loss"])  # this process's (rank 0's) batch
         self.loss_ema = loss if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss
         step, total = trainer.global_step, trainer.max_steps
         if step not in self.report_at:
@@ -70,7 +72,8 @@ class ProgressPrinter(pl.Callback):
             self.out(f"{self.prefix} | step {step}/{total} | loss {self.loss_ema:.3f} | started")
             return
         cell_total = elapsed / done * (total - self.first_step)
-        tok_s = done * batch[:, 1:].numel() / max(elapsed, 1e-9)
+        global_batch = batch[:, 1:].numel() * trainer.world_size * trainer.accumulate_grad_batches
+        tok_s = done * global_batch / max(elapsed, 1e-9)
         self.out(
             f"{self.prefix} | step {step}/{total} | loss {self.loss_ema:.3f} | {tok_s / 1e3:.1f}k tok/s | "
             f"cell {_clock(cell_total - elapsed)} left | "

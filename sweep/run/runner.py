@@ -62,21 +62,25 @@ class SweepContext:
 
 
 def check_runnable(grid: Grid, cells: list[Cell]) -> None:
-    """The sweep trains each cell in one process; a cell asking for several is refused up front.
+    """The sweep trains a cell on the devices of this machine (``train.devices`` processes under
+    DDP, :func:`sweep.run.cell.train_cell`); a cell on several machines or under FSDP is refused
+    up front (a cluster launcher starts those: ``experiments.train.Training`` runs them).
 
     Raises:
-        GridError: naming the row and ``train.devices`` of the first such cell.
+        GridError: naming the row and the field (``train.num_nodes``, ``train.strategy``).
     """
     for cell in cells:
         t = cell.config.train
-        if t.world_size > 1:
-            raise GridError(
-                grid.file,
-                f"devices x num_nodes = {t.world_size}: the sweep trains a cell in one process for now "
-                "(experiments.train.Training runs it on several through Lightning)",
-                cell.row.id,
-                "train.devices",
+        if t.num_nodes > 1:
+            why, field = (
+                f"num_nodes = {t.num_nodes}: the sweep trains a cell on one machine",
+                "train.num_nodes",
             )
+        elif t.strategy == "fsdp":
+            why, field = "fsdp: the sweep trains a cell with DDP (or in one process)", "train.strategy"
+        else:
+            continue
+        raise GridError(grid.file, why, cell.row.id, field)
 
 
 def prepare_sweep(
@@ -94,7 +98,7 @@ def prepare_sweep(
     before any run (or experiment) exists.
 
     Raises:
-        GridError: a cell asks for more than one process (:func:`check_runnable`).
+        GridError: a cell asks for several machines or FSDP (:func:`check_runnable`).
         TrackingError: the store is unreachable or unusable.
         CorpusError: a corpus source cannot be built.
     """

@@ -1,0 +1,284 @@
+"""One cell on two CPU processes (Lightning DDP over gloo) trains as it does in one process.
+
+The same global batch split over two ranks gives, step by step, the same global-batch losses as
+one process, the same step checkpoint and the same final weights; a resume of the two-rank run
+from its mid-run checkpoint ends on those weights again. A dense and a MoE cell (its global-batch
+load balancing all-reduces the expert counts across the ranks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import MICRO, ROOT
+
+from experiments import names as N
+from experiments.config import DataConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig
+from experiments.distributed import spawn_ranks
+from experiments.train import Training
+from sweep.cli import main
+
+pytestmark = pytest.mark.filterwarnings("ignore:You called .self.log:UserWarning")  # no logger
+GLOO = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo backend")
+
+MODEL = ModelConfig(
+    vocab_size=512, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64, max_seq_len=32
+)
+TRAIN = TrainConfig(
+    max_steps=6, batch_size=4, seq_len=32, warmup_steps=2, val_every=3, val_tokens=512, checkpoint_every=3
+)
+DATA = DataConfig(vocab_size=512, max_chars_per_source=200000)
+KINDS = {
+    "dense": MODEL,
+    "moe": dataclasses.replace(MODEL, moe=MoEConfig(n_experts=4, top_k=2, expert_dim=16)),
+}
+
+
+class LossRecorder(pl.Callback):
+    """Each optimiser step's logged ``train/loss`` (the global batch's, on every rank)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, module: object, out: object, batch: object, i: int
+    ) -> None:
+        if (i + 1) % trainer.accumulate_grad_batches == 0:  # the step's last micro-batch
+            self.losses.append(float(trainer.callback_metrics[N.TRAIN_LOSS]))
+
+
+def train(cfg: RunConfig, checkpoints: Path, final: Path, resume: Path | None = None) -> dict:
+    """Fit ``cfg`` (one rank of it under DDP), validate, save the final weights; the losses and
+    the last validation's figures."""
+    recorder = LossRecorder()
+    run = Training(cfg, cache_root=ROOT / ".cache", callbacks=[recorder], checkpoints=checkpoints)
+    run.fit(resume)
+    figures = run.finish()
+    run.save_weights(final)
+    return {"losses": recorder.losses, "val_loss": figures[N.VAL_LOSS], "world": run.trainer.world_size}
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+
+
+def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Equal to float tolerance: 1e-4 of each tensor's largest entry (an AdamW step turns float
+    noise in a near-zero gradient into a change of about 1e-6 in a weight of about 0.08)."""
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-4 * float(b[k].abs().max())), k
+
+
+@GLOO
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_two_gloo_ranks_train_as_one_process(kind: str, tmp_path: Path) -> None:
+    one_cfg = RunConfig(model=KINDS[kind], train=TRAIN, data=DATA)
+    two_cfg = dataclasses.replace(one_cfg, train=dataclasses.replace(TRAIN, devices=2, strategy="ddp"))
+
+    one = train(one_cfg, tmp_path / "one", tmp_path / "one.ckpt")
+    two = spawn_ranks(train, 2, two_cfg, tmp_path / "two", tmp_path / "two.ckpt")
+    assert (one["world"], two["world"]) == (1, 2)
+    assert len(one["losses"]) == len(two["losses"]) == TRAIN.max_steps
+    assert two["losses"] == pytest.approx(one["losses"], rel=1e-4)
+    assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-4)
+    assert_close(weights(tmp_path / "two.ckpt"), weights(tmp_path / "one.ckpt"))
+
+    # The mid-run training state: one file, written by rank 0, as one process writes it.
+    mid = "step000003.ckpt"
+    assert [p.name for p in (tmp_path / "two").iterdir()] == [mid]
+    one_state = torch.load(tmp_path / "one" / mid, weights_only=False)
+    two_state = torch.load(tmp_path / "two" / mid, weights_only=False)
+    assert_close(two_state["state_dict"], one_state["state_dict"])
+    assert two_state["global_step"] == one_state["global_step"] == 3
+    for a, b in zip(
+        two_state["optimizer_states"][0]["state"].values(), one_state["optimizer_states"][0]["state"].values()
+    ):
+        assert_close(a, b)
+
+    # Both ranks restore it and finish on the uninterrupted run's weights.
+    resumed = spawn_ranks(
+        train, 2, two_cfg, tmp_path / "two", tmp_path / "resumed.ckpt", tmp_path / "two" / mid
+    )
+    assert resumed["losses"] == pytest.approx(two["losses"][3:], rel=1e-5)
+    assert_close(weights(tmp_path / "resumed.ckpt"), weights(tmp_path / "two.ckpt"))
+
+
+@GLOO
+@pytest.mark.slow
+def test_micro_batches_accumulate_to_the_global_batch(tmp_path: Path) -> None:
+    """Two ranks of two micro-batches of one sequence each (``grad_accum: 2``) step on the global
+    batch of four: one process's losses and weights, also after a resume from the mid-run state."""
+    one_cfg = RunConfig(model=MODEL, train=TRAIN, data=DATA)
+    accum = dataclasses.replace(TRAIN, devices=2, strategy="ddp", grad_accum=2)
+    assert accum.device_batch == 1
+    cfg = dataclasses.replace(one_cfg, train=accum)
+
+    one = train(one_cfg, tmp_path / "one", tmp_path / "one.ckpt")
+    two = spawn_ranks(train, 2, cfg, tmp_path / "two", tmp_path / "two.ckpt")
+    assert two["losses"] == pytest.approx(one["losses"], rel=1e-4) and len(two["losses"]) == TRAIN.max_steps
+    assert_close(weights(tmp_path / "two.ckpt"), weights(tmp_path / "one.ckpt"))
+    mid = tmp_path / "two" / "step000003.ckpt"
+    resumed = spawn_ranks(train, 2, cfg, tmp_path / "two", tmp_path / "resumed.ckpt", mid)
+    assert resumed["losses"] == pytest.approx(two["losses"][3:], rel=1e-5)
+    assert_close(weights(tmp_path / "resumed.ckpt"), weights(tmp_path / "two.ckpt"))
+
+
+def test_a_global_batch_that_does_not_split_exits_2_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(MICRO + "  - {id: three, train: {devices: 3}}\n")  # a batch of 4 on 3 devices
+    code = main(["sweep", "--grid", str(grid), "--results", str(tmp_path / "results")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert err == (
+        f"error: {grid}: row 'three': train.batch_size: the global batch 4 does not split into "
+        "train.devices x num_nodes x grad_accum = 3 x 1 x 1 = 3 equal batches (at scale 'tiny')"
+    )
+    assert not (tmp_path / "results").exists()
+
+
+def _histories(results: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every metric of the grid's one finished cell run: key -> [(step, value)] by step."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{results / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("micro-tiny")
+    (run,) = client.search_runs([exp.experiment_id], "tags.kind = 'cell' and tags.status = 'finished'")
+    return {
+        key: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+        for key in run.data.metrics
+    }
+
+
+@GLOO
+@pytest.mark.slow
+def test_the_sweep_trains_a_moe_cell_on_two_ranks_as_in_one_process(tmp_path: Path, repo_cache: None) -> None:
+    """``train: {devices: 2, strategy: ddp}``: the sweep trains the cell on two gloo ranks; its
+    run holds every metric the one-process run holds, each step once, with the same values (but
+    throughput), and its final weights."""
+    grid_text = MICRO
+    two_text = grid_text.replace("max_lr: 2e-3}", "max_lr: 2e-3, devices: 2, strategy: ddp}")
+    assert two_text != grid_text
+    found = {}
+    for name, text in (("one", grid_text), ("two", two_text)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "grid.yaml").write_text(text)
+        results = tmp_path / name / "results"
+        args = [
+            "sweep",
+            "--grid",
+            str(tmp_path / name / "grid.yaml"),
+            "--results",
+            str(results),
+            "--rows",
+            "moe",
+        ]
+        assert main(args) == 0
+        found[name] = _histories(results)
+    one, two = found["one"], found["two"]
+    assert one.keys() == two.keys() and N.TRAIN_LOSS in one and N.VAL_PPL_AVG in one
+    for key in one.keys() - {N.TRAIN_TOKENS_PER_S}:
+        assert [s for s, _ in two[key]] == [s for s, _ in one[key]], key
+        assert [v for _, v in two[key]] == pytest.approx([v for _, v in one[key]], rel=1e-4, abs=1e-6), key
+    finals = [next((tmp_path / n / "results" / "checkpoints").glob("*/*/final.ckpt")) for n in ("one", "two")]
+    assert_close(weights(finals[1]), weights(finals[0]))
+
+
+def test_fsdp_at_the_paper_scale_shards_every_block() -> None:
+    """The paper scale's placement (config only: Lightning refuses FSDP without a GPU, so no
+    training test here): 128 GPUs on 16 machines, two micro-batches of 4 sequences, one FSDP unit
+    per block, fully sharded, the checkpoint gathered whole; the sweep leaves such cells to a
+    cluster launcher."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from experiments.model import Block
+    from experiments.train import lightning_strategy
+    from sweep.grid import load_grid
+    from sweep.gridfile import GridError
+    from sweep.run.runner import check_runnable
+
+    (cell,) = load_grid(ROOT / "grids/table1.yaml").cells("paper", rows=["baseline"])
+    t = cell.config.train
+    assert (t.devices, t.num_nodes, t.world_size, t.grad_accum, t.device_batch) == (8, 16, 128, 2, 4)
+    strategy = lightning_strategy(t)
+    assert isinstance(strategy, FSDPStrategy) and strategy._state_dict_type == "full"
+    assert strategy.kwargs["auto_wrap_policy"]._module_classes == {Block}
+    assert str(strategy.sharding_strategy) == "ShardingStrategy.FULL_SHARD"
+    assert lightning_strategy(TRAIN) == "auto"
+    grid = load_grid(ROOT / "grids/table1.yaml")
+    with pytest.raises(
+        GridError, match="train.num_nodes: num_nodes = 16: the sweep trains a cell on one machine"
+    ):
+        check_runnable(grid, [cell])
+
+
+def _state(pid: int) -> str | None:
+    """A process's state letter (``S``, ``R``, ``Z`` for one dead but not yet reaped), or None."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def _ranks_of(parent: int) -> list[int]:
+    """The spawned ranks (``multiprocessing.spawn``) whose parent is ``parent``."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (stat.parent / "cmdline").read_bytes()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if ppid == parent and b"spawn_main" in cmd:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_ranks_die_with_the_process_that_started_them() -> None:
+    """A sweep worker killed with ``kill -9`` leaves no rank training on behind it."""
+    code = "import time\nfrom experiments.distributed import spawn_ranks\nspawn_ranks(time.sleep, 2, 600)"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while len(ranks := _ranks_of(parent.pid)) < 2:
+            assert parent.poll() is None and time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.05)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 60
+    while any(_state(pid) not in (None, "Z") for pid in ranks):  # gone, or dead and awaiting reaping
+        assert time.monotonic() < deadline, f"ranks still running: {[(p, _state(p)) for p in ranks]}"
+        time.sleep(0.05)
+
+
+@GLOO
+@pytest.mark.slow
+def test_a_cell_that_diverges_on_two_ranks_is_recorded_as_diverged(tmp_path: Path, repo_cache: None) -> None:
+    """Both ranks stop at the same step (they judge the global loss); the sweep records the cell
+    as diverged at that step, as in one process, not as failed."""
+    from mlflow import MlflowClient
+
+    bound = "max_lr: 2e-3, devices: 2, strategy: ddp, diverge_factor: 1.0001}"  # ln V * 1.0001
+    (tmp_path / "grid.yaml").write_text(MICRO.replace("max_lr: 2e-3}", bound))
+    results = tmp_path / "results"
+    main(["sweep", "--grid", str(tmp_path / "grid.yaml"), "--results", str(results), "--rows", "baseline"])
+    client = MlflowClient(tracking_uri=f"sqlite:///{results / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("micro-tiny")
+    (run,) = client.search_runs([exp.experiment_id], "tags.kind = 'cell'")
+    assert run.data.tags["status"] == "diverged"
+    assert run.data.metrics["stability/diverged_step"] == 0
