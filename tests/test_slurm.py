@@ -55,16 +55,17 @@ def test_two_jobs_drain_four_cells_and_a_preempted_job_is_requeued_and_its_cell_
     try:
         while len(launcher.jobs) < 2:
             time.sleep(0.1)
-        folder = wait_for_checkpoint(results, 15, [j._process for j in launcher.jobs])
+        jobs = list(launcher.jobs)
+        folder = wait_for_checkpoint(results, 15, [j._process for j in jobs])
         (run,) = [r for r in all_cell_runs(results) if r.info.run_id == folder.name]
         pid = int(run.data.tags["worker"].rsplit(":", 1)[1])
         job_process = psutil.Process(pid).parent()  # the submitit task that runs this worker
-        (victim,) = [j for j in launcher.jobs if job_process.ppid() == j._process.pid]
+        (victim,) = [j for j in jobs if job_process.ppid() == j._process.pid]
         os.kill(job_process.pid, signal.SIGUSR2)  # submitit's pre-emption / time-limit signal
         driver.join(timeout=600)
         assert not driver.is_alive(), "the jobs did not end within 10 minutes"
     finally:
-        for job in launcher.jobs:
+        for job in launcher.jobs:  # emptied once they have all ended
             if not job.done():
                 job.cancel(check=False)
     print(f"4 cells, 2 jobs, one pre-empted: {time.monotonic() - started:.0f} s")

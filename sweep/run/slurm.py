@@ -186,6 +186,7 @@ class SubmititLauncher:
         for j in self.jobs:
             if j.state not in ("COMPLETED", "FINISHED"):
                 out(f"job {j.job_id} ended {j.state}; its log: {j.paths.stdout}")
+        self.jobs = []  # let them go now: submitit's LocalJob fails in __del__ at interpreter exit
         return None
 
 
