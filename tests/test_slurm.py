@@ -32,9 +32,28 @@ pytest.importorskip("submitit", reason="the cluster launcher needs submitit (a c
 ROWS = ["baseline", "sdpa_elementwise"]  # two rows, two seeds: four cells
 
 
-def test_two_jobs_drain_four_cells_and_a_preempted_job_is_requeued_and_its_cell_resumed(
-    repo_cache: None, tmp_path: Path
+def preempt(how: str, job: int, worker: int) -> None:
+    """``usr2``: submitit's signal (a time limit, or a cluster's pre-emption notice) to the job.
+    ``sigterm``: SLURM's pre-emption or ``scancel``, SIGTERM to every process of the job, SIGKILL
+    to any left after a grace time."""
+    if how == "usr2":
+        os.kill(job, signal.SIGUSR2)
+        return
+    procs = [psutil.Process(job), psutil.Process(worker)]
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    _, alive = psutil.wait_procs(procs, timeout=30)
+    for p in alive:
+        p.kill()
+
+
+@pytest.mark.parametrize("how", ["usr2", "sigterm"])
+def test_two_jobs_drain_four_cells_and_a_preempted_jobs_cell_resumes_trained_once(
+    repo_cache: None, tmp_path: Path, how: str
 ) -> None:
+    """Pre-empted by submitit's signal, the job is requeued (by submitit) and runs a worker
+    again; pre-empted by SIGTERM, it ends (SLURM requeues it where the partition says so). Either
+    way the cell resumes in its own run, and every cell is trained once."""
     grid_path = tmp_path / "micro.yaml"
     grid_path.write_text(LONG_MICRO)
     results = tmp_path / "results"
@@ -61,7 +80,7 @@ def test_two_jobs_drain_four_cells_and_a_preempted_job_is_requeued_and_its_cell_
         pid = int(run.data.tags["worker"].rsplit(":", 1)[1])
         job_process = psutil.Process(pid).parent()  # the submitit task that runs this worker
         (victim,) = [j for j in jobs if job_process.ppid() == j._process.pid]
-        os.kill(job_process.pid, signal.SIGUSR2)  # submitit's pre-emption / time-limit signal
+        preempt(how, job_process.pid, pid)
         driver.join(timeout=600)
         assert not driver.is_alive(), "the jobs did not end within 10 minutes"
     finally:
@@ -73,9 +92,13 @@ def test_two_jobs_drain_four_cells_and_a_preempted_job_is_requeued_and_its_cell_
     assert lines[0].startswith("submitted 2 submitit-local jobs")
     assert len(lines) == 1  # no job ended badly
     log = victim.paths.stdout.read_text() + victim.paths.stderr.read_text()
-    assert "pre-emption or time limit: stopping the worker" in log
-    assert "Requeued job" in log  # submitit put the job back, and it ran again
-    assert log.count("Starting with JobEnvironment") == 2
+    if how == "usr2":
+        assert "pre-emption or time limit: stopping the worker" in log
+        assert "Requeued job" in log  # submitit put the job back, and it ran again
+        assert log.count("Starting with JobEnvironment") == 2
+    else:
+        assert "worker stopped by a signal (status 143); its cell is back in the queue" in log
+        assert "Requeued job" not in log and log.count("Starting with JobEnvironment") == 1
 
     runs = all_cell_runs(results)
     assert Counter(r.data.tags["run_key"] for r in runs) == Counter(c.run_key for c in cells)
