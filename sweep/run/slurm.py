@@ -146,9 +146,10 @@ class WorkerJob:
 
 
 def _wait_for_worker() -> int:
-    """The worker's exit status, polling: ``Popen.wait`` holds a lock a signal handler's wait
-    would then wait on for ever (the handler runs in the same thread)."""
-    assert _worker is not None
+    """The worker's exit status (0 when none was started yet), polling: ``Popen.wait`` holds a
+    lock a signal handler's wait would then wait on for ever (the handler runs in the same thread)."""
+    if _worker is None:
+        return 0
     while _worker.poll() is None:
         time.sleep(POLL_S)
     return _worker.returncode
@@ -176,12 +177,16 @@ class SubmititLauncher:
         self.jobs = [self.executor.submit(job) for _ in range(count)]
         ids = ", ".join(str(j.job_id) for j in self.jobs)
         out(f"submitted {count} {self.settings.launcher} jobs ({ids}); logs in {self.settings.folder}/<job>")
-        cancelled = False
+        cancelled, states = False, {}
         while not all(j.done() for j in self.jobs):
             if stop.signum is not None and not cancelled:
                 for j in self.jobs:
                     j.cancel(check=False)
                 cancelled = True
+            for j in self.jobs:  # PENDING -> RUNNING and back (requeued): a line each time
+                if states.setdefault(j.job_id, "RUNNING") != j.state and not j.done():
+                    states[j.job_id] = j.state
+                    out(f"job {j.job_id}: {j.state}")
             time.sleep(self.poll_s)
         for j in self.jobs:
             if j.state not in ("COMPLETED", "FINISHED"):
