@@ -130,6 +130,8 @@ def test_the_slurm_job_asks_for_the_partition_gpus_time_and_a_requeue(
     script = executor._executor._make_submission_file_text("python -m sweep.cli worker", "uid")
     for flag in ("--partition=gpu", "--gpus-per-node=2", "--time=90", "--requeue", "--signal=USR2@90"):
         assert f"#SBATCH {flag}" in script
+    cpu = make_executor(ClusterSettings("slurm", tmp_path, gpus_per_worker=0))
+    assert "--gpus-per-node" not in cpu._executor._make_submission_file_text("python", "uid")
 
 
 def test_the_cluster_launcher_needs_a_number_of_workers_and_srun(

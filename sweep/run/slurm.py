@@ -85,12 +85,13 @@ def make_executor(settings: ClusterSettings) -> Any:
     params: dict[str, Any] = {
         "name": "gated-attn-worker",
         "timeout_min": settings.time_limit_min,
-        "gpus_per_node": settings.gpus_per_worker,
         "cpus_per_task": settings.cpus_per_worker,
         "tasks_per_node": 1,
         "nodes": 1,
         "slurm_additional_parameters": {"requeue": True},
     }
+    if settings.gpus_per_worker > 0:  # none: no --gpus-per-node=0, which some clusters refuse
+        params["gpus_per_node"] = settings.gpus_per_worker
     if settings.partition:
         params["slurm_partition"] = settings.partition
     executor.update_parameters(**{**params, **settings.extra})
