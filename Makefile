@@ -40,8 +40,11 @@ VENV := .venv
 PY   := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 LAUNCH := $(if $(filter-out local,$(LAUNCHER)),--launcher '$(LAUNCHER)' $(if $(PARTITION),--partition '$(PARTITION)') \
-	--gpus-per-worker $(GPUS_PER_WORKER) --cpus-per-worker $(CPUS_PER_WORKER) --time-limit $(TIME_LIMIT)) \
-	$(if $(filter 0,$(SYSTEM_METRICS)),--no-system-metrics)
+	--gpus-per-worker $(GPUS_PER_WORKER) --cpus-per-worker $(CPUS_PER_WORKER) --time-limit $(TIME_LIMIT))
+# SYSTEM_METRICS=0: for every target that trains (sweep, tune, stability), and the jobs it starts
+ifeq ($(SYSTEM_METRICS),0)
+export SWEEP_SYSTEM_METRICS := 0
+endif
 ARGS := --grid '$(GRID)' --scale '$(SCALE)' $(if $(SEEDS),--seeds '$(SEEDS)') $(if $(ROWS),--rows '$(ROWS)') $(if $(FORCE),--force)
 
 .PHONY: setup sweep eval tables init-table params tune stability dashboard throughput bench bench-moe gpu-check compare ui ui-check test lint clean
