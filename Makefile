@@ -8,6 +8,10 @@
 #   WORKERS  cells trained at once (default auto: one single-threaded worker per CPU core, one on a
 #            GPU machine; >1 goes through the Optuna queue in STORAGE)
 #   STORAGE  Optuna RDB URL for the sweep's queue and the LR search (default results/optuna.db)
+#   LAUNCHER local (worker processes here) | slurm (one SLURM job per worker, through submitit; needs
+#            WORKERS=N) | submitit-local (the slurm path on this machine); docs/cluster.md
+#   PARTITION, GPUS_PER_WORKER (1), CPUS_PER_WORKER (8), TIME_LIMIT (minutes per job, 240): the jobs
+#   SYSTEM_METRICS 0 turns off MLflow's system metrics (CPU, memory, GPU) in the cells' runs
 GRID  ?= grids/table1.yaml
 SCALE ?= tiny
 SEEDS ?=
@@ -19,6 +23,12 @@ TRIALS ?= 8
 LADDER ?=
 WORKERS ?= auto
 STORAGE ?=
+LAUNCHER ?= local
+PARTITION ?=
+GPUS_PER_WORKER ?= 1
+CPUS_PER_WORKER ?= 8
+TIME_LIMIT ?= 240
+SYSTEM_METRICS ?= 1
 DASHBOARD_PORT ?= 8080
 RUNS ?=
 # A CPU build of torch here; any CUDA build >= 2.5 works elsewhere (TORCH_SPEC="torch" or preinstalled).
@@ -29,6 +39,12 @@ PYTHON ?= python3
 VENV := .venv
 PY   := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+LAUNCH := $(if $(filter-out local,$(LAUNCHER)),--launcher '$(LAUNCHER)' $(if $(PARTITION),--partition '$(PARTITION)') \
+	--gpus-per-worker $(GPUS_PER_WORKER) --cpus-per-worker $(CPUS_PER_WORKER) --time-limit $(TIME_LIMIT))
+# SYSTEM_METRICS=0: for every target that trains (sweep, tune, stability), and the jobs it starts
+ifeq ($(SYSTEM_METRICS),0)
+export SWEEP_SYSTEM_METRICS := 0
+endif
 ARGS := --grid '$(GRID)' --scale '$(SCALE)' $(if $(SEEDS),--seeds '$(SEEDS)') $(if $(ROWS),--rows '$(ROWS)') $(if $(FORCE),--force)
 
 .PHONY: setup sweep eval tables init-table params tune stability dashboard throughput bench bench-moe gpu-check compare ui ui-check test lint clean
@@ -42,7 +58,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 sweep: $(STAMP)
-	$(PY) -m sweep.cli sweep $(ARGS) --workers $(WORKERS) $(if $(STORAGE),--storage '$(STORAGE)')
+	$(PY) -m sweep.cli sweep $(ARGS) --workers $(WORKERS) $(if $(STORAGE),--storage '$(STORAGE)') $(LAUNCH)
 
 eval: $(STAMP)
 	$(PY) -m sweep.cli eval $(ARGS)

@@ -24,6 +24,7 @@ class UsageError(RuntimeError):
 
 
 def _parser() -> argparse.ArgumentParser:
+    from sweep.run.slurm import add_arguments as add_launcher_arguments
     from sweep.studies import HEARTBEAT_S
 
     p = argparse.ArgumentParser(prog="sweep", description=__doc__.splitlines()[0])
@@ -52,12 +53,14 @@ def _parser() -> argparse.ArgumentParser:
             s.add_argument("--storage", default=None, help="Optuna RDB URL (default results/optuna.db)")
         if name in ("sweep", "worker"):
             s.add_argument("--heartbeat", type=int, default=HEARTBEAT_S, help=argparse.SUPPRESS)
+            s.add_argument("--no-system-metrics", action="store_true", help="no MLflow system metrics")
         if name == "sweep":
             s.add_argument(
                 "--workers",
                 default="1",
                 help="worker processes, or auto (one per CPU core, one on a GPU); >1 uses the queue",
             )
+            add_launcher_arguments(s)
         if name == "tune":
             s.add_argument("--trials", type=int, default=8, help="trials per row (complete or pruned)")
             s.add_argument("--lr-range", default="1e-4,1e-2", help="log-uniform max LR range, lo,hi")
@@ -133,14 +136,22 @@ def _main(argv: list[str] | None) -> int:
     from experiments.names import Outcome
     from sweep.grid import load_grid
     from sweep.gridfile import GridError
+    from sweep.run.slurm import LauncherError, launcher_for
     from sweep.store import TrackingError
 
     args = _parser().parse_args(argv)
     if args.seeds is not None and args.seeds < 1:
         print("error: --seeds must be at least 1", file=sys.stderr)
         return 2
+    if getattr(args, "launcher", "local") != "local" and args.workers == "auto":
+        print(f"error: --launcher {args.launcher} needs --workers N (the number of jobs)", file=sys.stderr)
+        return 2
     if hasattr(args, "workers"):
         args.workers = _workers(args.workers)
+    if getattr(args, "no_system_metrics", False):  # the workers inherit it
+        from sweep.run.sysmetrics import ENV
+
+        os.environ[ENV] = "0"
     for flag in ("workers", "heartbeat"):
         if getattr(args, flag, 1) < 1:
             print(f"error: --{flag} must be at least 1, got {getattr(args, flag)}", file=sys.stderr)
@@ -186,18 +197,19 @@ def _main(argv: list[str] | None) -> int:
         started = time.perf_counter()
         if args.command == "worker":
             return _worker(args, grid, cells, results, cache)
+        launch = launcher_for(args)  # no submitit or no SLURM: one line, before anything starts
         for ids in grid.same_config_rows(cells):
             print(f"note: rows {', '.join(ids)} have one config at {args.scale}: trained once, shown in each")
         with StopRequest() as stop:
             try:
-                if args.workers > 1 or args.storage:
+                if args.workers > 1 or args.storage or args.launcher != "local":
                     from sweep.run.queue import run_queued_sweep
                     from sweep.studies import storage_url
 
                     url = storage_url(results, args.storage)
                     outcomes = run_queued_sweep(
                         grid, cells, results, args.workers, url, _worker_args(args, url), args.heartbeat,
-                        args.force, cache, stop,
+                        args.force, cache, stop, launch=launch,
                     )  # fmt: skip
                 else:
                     outcomes = run_sweep(
@@ -234,7 +246,7 @@ def _main(argv: list[str] | None) -> int:
         where = f"{err.filename}: " if err.filename else ""
         print(f"error: {args.command}: {where}{err.strerror or err}", file=sys.stderr)
         return 1
-    except (GridError, TrackingError, UsageError) as err:
+    except (GridError, TrackingError, UsageError, LauncherError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
@@ -276,7 +288,7 @@ def _long_context(grid, scale: str, cells, results: Path, cache: Path | None) ->
 def _worker_args(args: argparse.Namespace, url: str) -> list[str]:
     """The ``worker`` command line that names the driver's grid, cells, results and queue."""
     out = ["--grid", args.grid, "--scale", args.scale, "--results", args.results, "--storage", url]
-    out += ["--heartbeat", str(args.heartbeat)]
+    out += ["--heartbeat", str(args.heartbeat)] + (["--no-system-metrics"] if args.no_system_metrics else [])
     out += ["--seeds", str(args.seeds)] if args.seeds else []
     return out + (["--rows", args.rows] if args.rows else [])
 

@@ -27,7 +27,7 @@ from sweep.store import flatten
 #: dense cell run (``sweep.store.Tracker.start_cell``), computed here for a row.
 EFFECTIVE_FFN = "model.ffn_dim_effective"
 #: Per-step series and bookkeeping: curves, not results (the figure shows the loss).
-_NOT_SUMMARY = ("train/", "moe/", "epoch", N.SPIKE)
+_NOT_SUMMARY = ("train/", "moe/", "system/", "epoch", N.SPIKE)  # system/: the machine, not a result
 
 
 class CompareError(ValueError):
@@ -95,7 +95,7 @@ def config_diff(a: Side, b: Side) -> pd.DataFrame:
 
 
 def summary_metrics(side: Side) -> list[str]:
-    """The side's result metrics: not per step (``train/``, ``moe/``) and not per layer."""
+    """The side's result metrics: not per step (``train/``, ``moe/``, ``system/``) and not per layer."""
     return [
         c
         for c in side.runs.columns

@@ -52,6 +52,9 @@ from sweep.studies import make_storage
 POLL_S = 2.0  # how often an idle worker looks for work or for a dead worker's cell
 MAX_RETRY = 3  # takeovers of one cell before it is left failed (a cell that kills its worker)
 IN_FLIGHT = (TrialState.WAITING, TrialState.RUNNING)
+#: Starts the workers' command ``count`` times and waits for them: ``(command, count, stop, out)``
+#: -> the workers' names (``host:pid``) when known, else None (every outcome counts as this sweep's).
+Launcher = Callable[[list[str], int, StopRequest, Callable[[str], None]], "set[str] | None"]
 CELL_ATTRS = ("run_key", "row", "seed", "force")  # a queue trial's user attributes name its cell
 
 
@@ -239,13 +242,15 @@ def run_queued_sweep(
     cache_root: Path | None,
     stop: StopRequest,
     out: Callable[[str], None] = print,
+    launch: Launcher | None = None,
 ) -> list[CellResult]:
-    """The driver: prepare, enqueue, start ``workers`` processes, wait, and return one
+    """The driver: prepare, enqueue, start ``workers`` workers, wait, and return one
     :class:`CellResult` per cell (read back from the queue).
 
     ``worker_args`` are the ``sweep.cli worker`` arguments that name the same grid, scale, seeds,
-    rows, results folder and storage. SIGINT and SIGTERM reach the workers (SIGTERM is forwarded),
-    each saves its cell and marks it killed; the driver waits for them.
+    rows, results folder and storage. ``launch`` starts the workers and waits for them
+    (:func:`start_processes` by default; :class:`sweep.run.slurm.SubmititLauncher` for cluster
+    jobs). SIGINT and SIGTERM reach the workers, each saves its cell and marks it killed.
     """
     ctx = prepare_sweep(grid, cells, results_dir, cache_root, stop, out)
     queue = open_queue(cells[0].scale, url, heartbeat_s)
@@ -258,8 +263,18 @@ def run_queued_sweep(
         f"queue {queue_name(cells[0].scale)} in {url}"
     )
     command = [sys.executable, "-m", "sweep.cli", "worker", *worker_args]  # each pins its threads
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # progress lines as they come, into a log file too
     count = workers if wanted and stop.signum is None else 0
+    own = (launch or start_processes)(command, count, stop, out) if count else set()
+    return queue_outcomes(queue, cells, wanted, ctx, own)
+
+
+def start_processes(
+    command: list[str], count: int, stop: StopRequest, out: Callable[[str], None]
+) -> set[str]:
+    """Run ``count`` worker processes of ``command`` on this machine until each has left;
+    forward SIGTERM to them once the driver got a signal (Ctrl-C reaches them by itself).
+    Returns their names (``host:pid``)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # progress lines as they come, into a log file too
     procs = [subprocess.Popen(command, env=env) for _ in range(count)]
     forwarded = False
     while any(p.poll() is None for p in procs):
@@ -272,8 +287,7 @@ def run_queued_sweep(
     for i, p in enumerate(procs):
         if p.returncode not in (0, 1, 130, 143):
             out(f"worker {i} (pid {p.pid}) exited with status {p.returncode}")
-    own = {f"{socket.gethostname()}:{p.pid}" for p in procs}
-    return queue_outcomes(queue, cells, wanted, ctx, own)
+    return {f"{socket.gethostname()}:{p.pid}" for p in procs}
 
 
 def queue_outcomes(

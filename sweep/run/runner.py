@@ -32,6 +32,7 @@ from sweep.run.resume import (
     usable_checkpoint,
 )
 from sweep.run.stages import Stage, parent_stage
+from sweep.run.sysmetrics import system_metrics
 from sweep.sqlite_lock import claim_lock
 from sweep.store import Tracker, TrackingError, check_reachable, experiment_name, tracking_uri
 from sweep.studies import HEARTBEAT_S
@@ -189,7 +190,8 @@ def run_cell(
       (:func:`claim_run`).
     - Otherwise a new run is created.
 
-    While it trains, the run's ``heartbeat`` tag is renewed every ``ctx.heartbeat_s`` seconds.
+    While it trains, the run's ``heartbeat`` tag is renewed every ``ctx.heartbeat_s`` seconds and
+    the machine's load is logged as MLflow system metrics (:mod:`sweep.run.sysmetrics`).
     An experiment deleted in the MLflow UI is restored first (:meth:`Tracker.ensure_active`); a
     run deleted while it trains ends the cell as failed, with a line.
 
@@ -224,7 +226,7 @@ def run_cell(
     def beat() -> None:
         tracker.client.set_tag(run_id, HEARTBEAT_TAG, f"{time.time():.0f}")
 
-    with Heartbeat(beat, ctx.heartbeat_s, f"run {run_id}"):
+    with Heartbeat(beat, ctx.heartbeat_s, f"run {run_id}"), system_metrics(tracker.uri, run_id):
         try:
             return train_and_record(cell, ctx, prefix, clock, claim)
         except MlflowException as err:  # recording failed: the run or the store is gone

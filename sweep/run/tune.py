@@ -40,6 +40,7 @@ from sweep.grid import Cell, Grid, Row, run_key
 from sweep.run.cell import checkpoint_dir, train_cell
 from sweep.run.progress import ProgressPrinter, SweepClock
 from sweep.run.runner import pin_threads, quiet_lightning
+from sweep.run.sysmetrics import system_metrics
 from sweep.store import Tracker, tracking_uri
 from sweep.studies import DIVERGED_ATTR, ROW_KEY_ATTR, VAL_LOSS_ATTR, make_storage, storage_url, trial_outcome
 
@@ -190,16 +191,17 @@ def tune_row(
         started = time.perf_counter()
         checkpoints = checkpoint_dir(results_dir, tracker.experiment, child)
         try:
-            final = train_cell(
-                cell,
-                tracker,
-                child,
-                0,
-                ProgressPrinter(prefix, clock, out),
-                cache_root,
-                checkpoints,
-                [StepPruningCallback(trial)],
-            )
+            with system_metrics(tracker.uri, child):  # the trial's run, as a cell's
+                final = train_cell(
+                    cell,
+                    tracker,
+                    child,
+                    0,
+                    ProgressPrinter(prefix, clock, out),
+                    cache_root,
+                    checkpoints,
+                    [StepPruningCallback(trial)],
+                )
         except optuna.TrialPruned as err:
             _close(tracker, child, Status.FINISHED, TrialOutcome.PRUNED, str(err))
             drop_step_checkpoints(checkpoints)  # a pruned trial is never resumed

@@ -1,0 +1,234 @@
+"""Queue workers as cluster jobs: ``make sweep LAUNCHER=slurm WORKERS=N PARTITION=...``.
+
+The driver (:func:`sweep.run.queue.run_queued_sweep`) prepares the store and the corpus and
+enqueues the cells as for local workers; then, instead of starting N processes, it submits N jobs
+with `submitit <https://github.com/facebookincubator/submitit>`_ (SLURM, or submitit's
+``LocalExecutor`` with ``--launcher submitit-local``, which runs the same jobs on this machine) and
+waits for them. Each job (:class:`WorkerJob`) runs one ``python -m sweep.cli worker`` in a child
+process, which pops cells from the shared queue until none is left, exactly as a local worker.
+
+Pre-emption and time limits:
+
+- SLURM pre-empts or cancels a job with SIGTERM, then SIGKILL after its grace time. The worker
+  gets the SIGTERM (SLURM signals every process of the job; the job forwards it too), saves its
+  cell's training state at the next step, marks the run killed and puts the cell back in the
+  queue. Jobs are submitted with ``--requeue``, so a partition whose PreemptMode is REQUEUE puts
+  a pre-empted job back in line; a cancelled one stays cancelled. Either way another worker, or
+  the requeued job, resumes the cell from its checkpoint.
+- submitit's own signal (SIGUSR2, ``signal_delay_s`` before the time limit, or on pre-emption
+  where a cluster sends it) calls :meth:`WorkerJob.checkpoint`: the worker is stopped the same
+  way, then submitit requeues the job (at most ``max_timeouts`` times for time limits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # lightning loads with it; the CLI's parser imports this module
+    from sweep.run.interrupt import StopRequest
+
+#: ``--launcher``: local processes, SLURM jobs, or the SLURM path run by submitit on this machine.
+LAUNCHERS = ("local", "slurm", "submitit-local")
+#: Environment a job passes on to its worker (besides what the cluster exports).
+CARRIED_ENV = ("MLFLOW_TRACKING_URI", "GATED_ATTN_CACHE", "SWEEP_SYSTEM_METRICS", "HF_HOME")
+POLL_S = 0.5  # how often a job looks at its worker
+
+_worker: subprocess.Popen | None = None  # the running job's worker (a module global: jobs are pickled)
+
+
+class LauncherError(RuntimeError):
+    """The jobs cannot be submitted (no submitit, no SLURM here): one line, before anything starts."""
+
+
+@dataclass
+class ClusterSettings:
+    """How the workers' jobs are submitted (``make sweep LAUNCHER=slurm`` variables)."""
+
+    launcher: str = "slurm"  # "slurm" or "submitit-local"
+    folder: Path = Path("results/slurm")  # submitit's job files and logs, one folder per job
+    partition: str | None = None  # PARTITION
+    gpus_per_worker: int = 1  # GPUS_PER_WORKER
+    cpus_per_worker: int = 8  # CPUS_PER_WORKER: data loading, the corpus build, the probes
+    time_limit_min: int = 240  # TIME_LIMIT, minutes per job (a requeued job starts a new one)
+    max_timeouts: int = 3  # requeues after a time limit before a job is left ended
+    extra: dict[str, Any] = field(default_factory=dict)  # more submitit parameters (tests)
+
+
+def make_executor(settings: ClusterSettings) -> Any:
+    """A submitit executor for ``settings`` (``slurm``, or ``local`` for ``submitit-local``).
+
+    Raises:
+        LauncherError: submitit is not installed, or ``slurm`` where there is no ``srun``.
+    """
+    try:
+        import submitit
+    except ImportError:
+        raise LauncherError(
+            f"--launcher {settings.launcher} needs submitit: pip install 'submitit>=1.5' (a core dependency)"
+        ) from None
+    cluster = "slurm" if settings.launcher == "slurm" else "local"
+    try:
+        executor = submitit.AutoExecutor(
+            folder=settings.folder / "%j", cluster=cluster, slurm_max_num_timeout=settings.max_timeouts
+        )
+    except RuntimeError as err:  # no srun on this machine
+        raise LauncherError(f"--launcher {settings.launcher}: {err}") from None
+    params: dict[str, Any] = {
+        "name": "gated-attn-worker",
+        "timeout_min": settings.time_limit_min,
+        "cpus_per_task": settings.cpus_per_worker,
+        "tasks_per_node": 1,
+        "nodes": 1,
+        "slurm_additional_parameters": {"requeue": True},
+    }
+    if settings.gpus_per_worker > 0:  # none: no --gpus-per-node=0, which some clusters refuse
+        params["gpus_per_node"] = settings.gpus_per_worker
+    if settings.partition:
+        params["slurm_partition"] = settings.partition
+    executor.update_parameters(**{**params, **settings.extra})
+    return executor
+
+
+def _ignore_submitit_signal() -> None:
+    """In the worker: SLURM may send submitit's SIGUSR2 to every process of the job, and its
+    default action would kill the worker unsaved; the job stops the worker with SIGTERM instead."""
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
+
+@dataclass
+class WorkerJob:
+    """One submitit job: a queue worker (``command``) run in ``cwd`` as a child process.
+
+    Called by submitit on the node; returns the worker's exit status. SIGTERM or SIGINT to the job
+    is passed on to the worker (which saves its cell and leaves); submitit's pre-emption signal
+    calls :meth:`checkpoint`."""
+
+    command: list[str]
+    cwd: str
+    env: dict[str, str]
+
+    def __call__(self) -> int:
+        global _worker
+        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        _worker = subprocess.Popen(self.command, cwd=self.cwd, env=env, preexec_fn=_ignore_submitit_signal)
+        previous = {sig: signal.signal(sig, self._stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            code = _wait_for_worker()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if code in (130, 143):
+            print(f"worker stopped by a signal (status {code}); its cell is back in the queue", flush=True)
+        return code
+
+    def _stop(self, signum: int = signal.SIGTERM, frame: FrameType | None = None) -> None:
+        """Ask the worker to save its cell and leave (SIGTERM; a second one changes nothing)."""
+        if _worker is not None and _worker.poll() is None:
+            _worker.send_signal(signal.SIGTERM)
+
+    def checkpoint(self) -> Any:
+        """submitit's hook on pre-emption or an approaching time limit: stop the worker, wait
+        until its cell is saved and back in the queue, and have the job requeued as it is."""
+        from submitit.helpers import DelayedSubmission
+
+        print("pre-emption or time limit: stopping the worker, then requeueing this job", flush=True)
+        self._stop()
+        _wait_for_worker()
+        return DelayedSubmission(self)
+
+
+def _wait_for_worker() -> int:
+    """The worker's exit status (0 when none was started yet), polling: ``Popen.wait`` holds a
+    lock a signal handler's wait would then wait on for ever (the handler runs in the same thread)."""
+    if _worker is None:
+        return 0
+    while _worker.poll() is None:
+        time.sleep(POLL_S)
+    return _worker.returncode
+
+
+class SubmititLauncher:
+    """Starts the driver's workers as submitit jobs and waits for them (the ``launch`` argument of
+    :func:`sweep.run.queue.run_queued_sweep`)."""
+
+    def __init__(self, settings: ClusterSettings, poll_s: float = 5.0) -> None:
+        """Raises:
+        LauncherError: see :func:`make_executor` (checked here, before the sweep starts)."""
+        self.settings, self.poll_s = settings, poll_s
+        self.executor = make_executor(settings)
+        self.jobs: list[Any] = []
+
+    def __call__(
+        self, command: list[str], count: int, stop: StopRequest, out: Callable[[str], None]
+    ) -> set[str] | None:
+        """Submit ``count`` jobs of ``command`` and wait until every one has ended. A signal to the
+        driver cancels them (each worker saves its cell). Returns None: the workers' names
+        (host:pid) are the cluster's, so every outcome in the queue counts for this sweep."""
+        carried = {k: os.environ[k] for k in CARRIED_ENV if k in os.environ}
+        job = WorkerJob(command, os.getcwd(), carried)
+        self.jobs = [self.executor.submit(job) for _ in range(count)]
+        ids = ", ".join(str(j.job_id) for j in self.jobs)
+        out(f"submitted {count} {self.settings.launcher} jobs ({ids}); logs in {self.settings.folder}/<job>")
+        cancelled, states = False, {}
+        while not all(j.done() for j in self.jobs):
+            if stop.signum is not None and not cancelled:
+                for j in self.jobs:
+                    j.cancel(check=False)
+                cancelled = True
+            for j in self.jobs:  # PENDING -> RUNNING and back (requeued): a line each time
+                if states.setdefault(j.job_id, "RUNNING") != j.state and not j.done():
+                    states[j.job_id] = j.state
+                    out(f"job {j.job_id}: {j.state}")
+            time.sleep(self.poll_s)
+        for j in self.jobs:
+            if j.state not in ("COMPLETED", "FINISHED"):
+                out(f"job {j.job_id} ended {j.state}; its log: {j.paths.stdout}")
+        self.jobs = []  # let them go now: submitit's LocalJob fails in __del__ at interpreter exit
+        return None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``sweep`` command's launcher flags (Makefile ``LAUNCHER``, ``PARTITION``,
+    ``GPUS_PER_WORKER``, ``CPUS_PER_WORKER``, ``TIME_LIMIT``)."""
+    default = ClusterSettings()
+    parser.add_argument(
+        "--launcher",
+        choices=LAUNCHERS,
+        default="local",
+        help="local: worker processes here; slurm: one SLURM job per worker (submitit); "
+        "submitit-local: the slurm path run on this machine",
+    )
+    parser.add_argument("--partition", default=None, help="SLURM partition (default: the cluster's)")
+    parser.add_argument("--gpus-per-worker", type=int, default=default.gpus_per_worker, help="GPUs per job")
+    parser.add_argument("--cpus-per-worker", type=int, default=default.cpus_per_worker, help="CPUs per job")
+    parser.add_argument(
+        "--time-limit", type=int, default=default.time_limit_min, help="minutes per job (then requeued)"
+    )
+
+
+def launcher_for(args: argparse.Namespace) -> SubmititLauncher | None:
+    """The launcher the flags ask for; None for local processes.
+
+    Raises:
+        LauncherError: see :func:`make_executor`.
+    """
+    if args.launcher == "local":
+        return None
+    settings = ClusterSettings(
+        launcher=args.launcher,
+        folder=Path(args.results) / "slurm",
+        partition=args.partition,
+        gpus_per_worker=args.gpus_per_worker,
+        cpus_per_worker=args.cpus_per_worker,
+        time_limit_min=args.time_limit,
+    )
+    return SubmititLauncher(settings)

@@ -1,0 +1,148 @@
+"""The cluster launcher through submitit's LocalExecutor: the jobs drain the queue, and a job
+pre-empted mid-cell is requeued while its cell resumes from its checkpoint, trained once."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import optuna
+import psutil
+import pytest
+from mlflow import MlflowClient
+
+from sweep.cli import main
+from sweep.grid import load_grid
+from sweep.run.interrupt import StopRequest
+from sweep.run.queue import enqueue_cells, open_queue
+from sweep.run.runner import prepare_sweep
+from sweep.run.slurm import ClusterSettings, SubmititLauncher, make_executor
+from sweep.studies import storage_url
+from tests.conftest import LONG_MICRO, LONG_STEPS, ROOT, SLOW_CLI, wait_for_checkpoint
+from tests.test_queue import all_cell_runs, queue_trials
+
+pytest.importorskip("submitit", reason="the cluster launcher needs submitit (a core dependency)")
+
+ROWS = ["baseline", "sdpa_elementwise"]  # two rows, two seeds: four cells
+
+
+def preempt(how: str, job: int, worker: int) -> None:
+    """``usr2``: submitit's signal (a time limit, or a cluster's pre-emption notice) to the job.
+    ``sigterm``: SLURM's pre-emption or ``scancel``, SIGTERM to every process of the job, SIGKILL
+    to any left after a grace time."""
+    if how == "usr2":
+        os.kill(job, signal.SIGUSR2)
+        return
+    procs = [psutil.Process(job), psutil.Process(worker)]
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    _, alive = psutil.wait_procs(procs, timeout=30)
+    for p in alive:
+        p.kill()
+
+
+@pytest.mark.parametrize("how", ["usr2", "sigterm"])
+def test_two_jobs_drain_four_cells_and_a_preempted_jobs_cell_resumes_trained_once(
+    repo_cache: None, tmp_path: Path, how: str
+) -> None:
+    """Pre-empted by submitit's signal, the job is requeued (by submitit) and runs a worker
+    again; pre-empted by SIGTERM, it ends (SLURM requeues it where the partition says so). Either
+    way the cell resumes in its own run, and every cell is trained once."""
+    grid_path = tmp_path / "micro.yaml"
+    grid_path.write_text(LONG_MICRO)
+    results = tmp_path / "results"
+    results.mkdir()
+    grid = load_grid(grid_path)
+    cells = grid.cells("tiny", seeds=[0, 1], rows=ROWS)
+    ctx = prepare_sweep(grid, cells, results, ROOT / ".cache", out=lambda _line: None)
+    url = storage_url(results, None)
+    assert len(enqueue_cells(open_queue("tiny", url, 1), cells, ctx, force=False)) == 4
+
+    worker = [sys.executable, "-c", SLOW_CLI, "worker", "--grid", str(grid_path), "--results"]
+    worker += [str(results), "--storage", url, "--heartbeat", "1", "--seeds", "2", "--rows", ",".join(ROWS)]
+    settings = ClusterSettings("submitit-local", tmp_path / "jobs", gpus_per_worker=0, time_limit_min=30)
+    launcher, lines, stop = SubmititLauncher(settings, poll_s=0.5), [], StopRequest()
+    driver = threading.Thread(target=launcher, args=(worker, 2, stop, lines.append))
+    started = time.monotonic()
+    driver.start()
+    try:
+        while len(launcher.jobs) < 2:
+            time.sleep(0.1)
+        jobs = list(launcher.jobs)
+        folder = wait_for_checkpoint(results, 15, [j._process for j in jobs])
+        (run,) = [r for r in all_cell_runs(results) if r.info.run_id == folder.name]
+        pid = int(run.data.tags["worker"].rsplit(":", 1)[1])
+        job_process = psutil.Process(pid).parent()  # the submitit task that runs this worker
+        (victim,) = [j for j in jobs if job_process.ppid() == j._process.pid]
+        preempt(how, job_process.pid, pid)
+        driver.join(timeout=600)
+        assert not driver.is_alive(), "the jobs did not end within 10 minutes"
+    finally:
+        for job in launcher.jobs:  # emptied once they have all ended
+            if not job.done():
+                job.cancel(check=False)
+    print(f"4 cells, 2 jobs, one pre-empted: {time.monotonic() - started:.0f} s")
+
+    assert lines[0].startswith("submitted 2 submitit-local jobs")
+    assert len(lines) == 1  # no job ended badly
+    log = victim.paths.stdout.read_text() + victim.paths.stderr.read_text()
+    if how == "usr2":
+        assert "pre-emption or time limit: stopping the worker" in log
+        assert "Requeued job" in log  # submitit put the job back, and it ran again
+        assert log.count("Starting with JobEnvironment") == 2
+    else:
+        assert "worker stopped by a signal (status 143); its cell is back in the queue" in log
+        assert "Requeued job" not in log and log.count("Starting with JobEnvironment") == 1
+
+    runs = all_cell_runs(results)
+    assert Counter(r.data.tags["run_key"] for r in runs) == Counter(c.run_key for c in cells)
+    assert {r.data.tags["status"] for r in runs} == {"finished"}
+    (resumed,) = [r for r in runs if r.data.tags.get("resumed") == "1"]
+    assert resumed.info.run_id == folder.name
+    client = MlflowClient(tracking_uri=f"sqlite:///{results / 'mlflow.db'}")
+    for r in runs:  # every step trained once, the pre-empted cell's across two workers
+        steps = [m.step for m in client.get_metric_history(r.info.run_id, "train/loss")]
+        assert sorted(steps) == list(range(LONG_STEPS)), r.data.tags["run_key"]
+
+    trials = queue_trials(results)
+    outcomes = Counter(t.user_attrs["outcome"] for t in trials)
+    assert outcomes == {"finished": 3, "killed": 1, "resumed": 1}
+    (killed,) = [t for t in trials if t.user_attrs["outcome"] == "killed"]
+    assert killed.user_attrs["run_key"] == resumed.data.tags["run_key"]
+    assert killed.state == optuna.trial.TrialState.FAIL
+
+
+def test_the_slurm_job_asks_for_the_partition_gpus_time_and_a_requeue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sbatch script submitit would submit (no cluster needed to write it)."""
+    import submitit
+
+    monkeypatch.setattr(submitit.SlurmExecutor, "affinity", classmethod(lambda cls: 1))  # "srun is here"
+    settings = ClusterSettings("slurm", tmp_path, partition="gpu", gpus_per_worker=2, time_limit_min=90)
+    executor = make_executor(settings)
+    script = executor._executor._make_submission_file_text("python -m sweep.cli worker", "uid")
+    for flag in ("--partition=gpu", "--gpus-per-node=2", "--time=90", "--requeue", "--signal=USR2@90"):
+        assert f"#SBATCH {flag}" in script
+    cpu = make_executor(ClusterSettings("slurm", tmp_path, gpus_per_worker=0))
+    assert "--gpus-per-node" not in cpu._executor._make_submission_file_text("python", "uid")
+
+
+def test_the_cluster_launcher_needs_a_number_of_workers_and_srun(
+    repo_cache: None, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    assert main(["sweep", "--launcher", "slurm", "--workers", "auto"]) == 2
+    assert "--launcher slurm needs --workers N" in capsys.readouterr().err
+    if shutil.which("srun") is None:  # one line, and nothing trained
+        assert main(["sweep", "--launcher", "slurm", "--workers", "2", "--results", str(tmp_path)]) == 2
+        assert (
+            capsys.readouterr().err
+            == 'error: --launcher slurm: Could not detect "srun", are you indeed on a slurm cluster?\n'
+        )
+        assert not (tmp_path / "mlflow.db").exists()
