@@ -281,13 +281,17 @@ def queue_outcomes(
 ) -> list[CellResult]:
     """One outcome per cell: skipped (a result before this sweep), or the last
     outcome a worker recorded on one of its trials from ``wanted[run_key]`` on (trial numbers,
-    not clocks: the workers may be on other machines). With ``own`` (this sweep's workers,
+    not clocks: the workers may be on other machines), where ``skipped`` never replaces an
+    earlier outcome (two machines' drivers enqueued the cell: the younger trial, taken after the
+    older one's result, only finds that result). With ``own`` (this sweep's workers,
     ``host:pid``), a cell another sweep's worker took reads ``skipped``, its note saying who and
     what: the summary counts what this sweep did."""
     last: dict[str, FrozenTrial] = {}
     for t in queue.study.get_trials(deepcopy=False):  # in trial-number order
         key, recorded = t.user_attrs.get("run_key"), t.user_attrs.get("outcome")
         if key in wanted and recorded and recorded != Outcome.DUPLICATE and t.number >= wanted[key]:
+            if recorded == Outcome.SKIPPED and key in last:  # a younger twin found the result
+                continue
             last[key] = t
     queued = set(wanted)
     outcomes = []
