@@ -100,7 +100,8 @@ def postgres(databases: list[str], port: int | None = None) -> Iterator[dict[str
         raise ServerError(missing() or "no PostgreSQL")
     port = port or free_port()
     prefix = _as_server_user()
-    root = Path(tempfile.mkdtemp(prefix="gated-pg-"))
+    # as root, in /tmp: the server's user must reach its folder ($TMPDIR may be private to root)
+    root = Path(tempfile.mkdtemp(prefix="gated-pg-", dir="/tmp" if prefix else None))
     data = root / "data"
     data.mkdir()
     if prefix:  # the server's user owns its folder

@@ -33,6 +33,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 from sweep.servers import ServerError, missing, mlflow_server, postgres
 
@@ -195,7 +196,9 @@ def machines_run(
         run_id = first_checkpoint(shared, list(procs.values()))
         victim = MlflowClient(tracking_uri=uri).get_run(run_id).data.tags["worker"]
         pid = int(victim.rsplit(":", 1)[1])
-        owner = next(n for n, p in procs.items() if pid in {c.pid for c in psutil.Process(p.pid).children()})
+        owner = next((n for n, p in procs.items() if pid in {c.pid for c in _children(psutil, p.pid)}), None)
+        if owner is None:
+            raise RuntimeError(f"run {run_id}'s worker {victim} is no machine's worker")
         os.kill(pid, signal.SIGKILL)
         step = max(p.stem for p in (shared / EXPERIMENT / run_id).glob("step*.ckpt"))
         out(f"SIGKILL {owner}'s worker {victim} mid-cell (run {run_id}, newest checkpoint {step})")
@@ -209,6 +212,14 @@ def machines_run(
                 p.kill()
                 p.wait()
     return run_id, victim, codes, commands["machine-a"]
+
+
+def _children(psutil: ModuleType, pid: int) -> list:
+    """The child processes of ``pid`` (none once it has ended)."""
+    try:
+        return psutil.Process(pid).children()
+    except psutil.NoSuchProcess:
+        return []
 
 
 def run_check(work: Path, out: Callable[[str], None] = print) -> int:
