@@ -15,9 +15,20 @@ from sweep.servers import missing, postgres
 from sweep.sqlite_lock import LockTimeout, creation_lock
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.skipif(missing() is not None, reason=f"servers check: {missing()}")
+needs_servers = pytest.mark.skipif(missing() is not None, reason=f"servers check: {missing()}")
 
 
+def test_the_checks_loss_comparison_wants_each_step_once_and_equal_values() -> None:
+    from sweep.servers_check import same_losses
+
+    want = [(0, 6.0), (1, 5.5), (2, 5.0)]
+    assert same_losses([(0, 6.0), (1, 5.5 * (1 + 5e-6)), (2, 5.0)], want)
+    assert not same_losses([(0, 6.0), (1, 5.5 * (1 + 5e-5)), (2, 5.0)], want)  # beyond 1e-5
+    assert not same_losses([(0, 6.0), (1, 5.5), (1, 5.5), (2, 5.0)], want)  # a step logged twice
+    assert not same_losses(want[:2], want)  # a step missing
+
+
+@needs_servers
 def test_schema_creation_on_postgresql_is_one_process_at_a_time() -> None:
     """Two machines' first sweeps on a new Optuna database both created its tables (a unique
     violation on ``alembic_version``); the set-up lock is a PostgreSQL advisory lock there."""
@@ -43,6 +54,7 @@ def test_schema_creation_on_postgresql_is_one_process_at_a_time() -> None:
             pass
 
 
+@needs_servers
 @pytest.mark.slow
 def test_the_multi_machine_recipe_survives_a_killed_worker_on_real_servers() -> None:
     """``python -m sweep.servers_check``: two machines on one PostgreSQL queue and one MLflow
