@@ -294,6 +294,7 @@ def queue_outcomes(
                 continue
             last[key] = t
     queued = set(wanted)
+    pending = {t.user_attrs.get("run_key") for t in queue.in_flight()}
     outcomes = []
     for cell in cells:
         if cell.run_key not in queued:
@@ -310,6 +311,9 @@ def queue_outcomes(
             outcomes.append(CellResult(cell, Outcome.SKIPPED, note="finished by another sweep"))
         elif ctx.stop.signum is not None:
             outcomes.append(CellResult(cell, Outcome.NOT_STARTED, note="the sweep was interrupted"))
+        elif cell.run_key in pending:  # this machine's workers died: another's, or a rerun, take it
+            note = "still in the queue: another machine's worker or the same command again trains it"
+            outcomes.append(CellResult(cell, Outcome.FAILED, note=note))
         else:
             note = "no worker finished it (see the workers' output)"
             outcomes.append(CellResult(cell, Outcome.FAILED, note=note))
