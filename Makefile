@@ -47,7 +47,7 @@ export SWEEP_SYSTEM_METRICS := 0
 endif
 ARGS := --grid '$(GRID)' --scale '$(SCALE)' $(if $(SEEDS),--seeds '$(SEEDS)') $(if $(ROWS),--rows '$(ROWS)') $(if $(FORCE),--force)
 
-.PHONY: setup sweep eval tables init-table params tune stability dashboard throughput bench bench-moe gpu-check compare ui ui-check test lint clean
+.PHONY: setup sweep eval tables init-table params tune stability dashboard throughput bench bench-moe gpu-check compare ui ui-check servers-setup servers-check test lint clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -106,6 +106,19 @@ gpu-check: $(if $(GPU_PY),,$(STAMP))
 ui-check: $(STAMP)
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
 	$(PY) -m sweep.ui_check --grid '$(GRID)' --scale '$(SCALE)'
+
+# PostgreSQL's server (Debian's package, installed if missing) and psycopg (the postgres extra):
+# what the servers check needs. CI runs it before `make test`, whose tests/test_servers.py then runs.
+servers-setup: $(STAMP)
+	ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || command -v pg_ctl >/dev/null || \
+		(apt-get update -qq && apt-get install -y -qq postgresql >/dev/null)
+	$(PY) -c "import psycopg" 2>/dev/null || $(PY) -m pip install --quiet -e ".[postgres]"
+
+# the multi-machine recipe (docs/resuming.md) against a throwaway PostgreSQL and MLflow server on
+# localhost: two machines, a worker killed mid-cell, each cell one run with one process's losses
+# (sweep/servers_check.py; about 1.5 min on 2 cores)
+servers-check: servers-setup
+	$(PY) -m sweep.servers_check
 
 # two runs or two rows of GRID side by side: RUNS=baseline,sdpa_elementwise (row ids) or run ids
 compare: $(STAMP)

@@ -6,14 +6,17 @@ them; the slower one fails ("table spans already exists", "duplicate column name
 "expected to match one row"). :func:`creation_lock` holds an operating-system lock on
 ``<database>.lock`` beside the file while a store is opened for the first time, so the second
 process waits, then finds the schema complete; :func:`claim_lock` does the same for the moment a
-sweep looks at a cell's runs and makes one its own. PostgreSQL and MySQL stores (many machines)
-are used without them: the first ``make sweep`` creates their schema before the others start, and
-the work queue hands each cell to one worker (docs/resuming.md, "Many workers").
+sweep looks at a cell's runs and makes one its own. On a PostgreSQL database (many machines)
+:func:`creation_lock` is a session advisory lock instead: two machines' first ``make sweep`` on a
+new Optuna database would otherwise both create its tables ("duplicate key value violates unique
+constraint", found by ``make servers-check``). Cells need no claim lock there: the work queue
+hands each cell to one worker (docs/resuming.md, "Many workers"). MySQL stores get neither.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +24,8 @@ from filelock import FileLock, Timeout
 
 #: How long a process waits for another one to finish creating the schema (it takes seconds).
 WAIT_S = 300.0
+#: The PostgreSQL advisory lock key of schema creation (any 64-bit number this harness alone uses).
+ADVISORY_KEY = 0x6761746564  # "gated"
 
 
 class LockTimeout(RuntimeError):
@@ -47,14 +52,47 @@ def sqlite_file(url: str) -> Path | None:
 
 @contextlib.contextmanager
 def creation_lock(url: str, wait_s: float = WAIT_S) -> Iterator[None]:
-    """Hold ``<database>.lock`` (an OS file lock) while inside, for a SQLite ``url``; do nothing
-    for any other URL. Held while a store is opened for the first time in a process.
+    """Hold ``<database>.lock`` (an OS file lock) while inside, for a SQLite ``url``; a session
+    advisory lock of the database for a PostgreSQL one; do nothing for any other URL. Held while
+    a store is opened for the first time in a process.
 
     Raises:
         LockTimeout: the lock stayed held for ``wait_s`` seconds.
     """
-    with _file_lock(url, ".lock", wait_s):
+    with _file_lock(url, ".lock", wait_s), _advisory_lock(url, wait_s):
         yield
+
+
+@contextlib.contextmanager
+def _advisory_lock(url: str, wait_s: float) -> Iterator[None]:
+    """``pg_advisory_lock`` on its own connection while inside, for a PostgreSQL ``url``."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.pool import NullPool
+
+    try:
+        postgres = make_url(url).get_backend_name() == "postgresql"
+    except Exception:  # not an SQLAlchemy URL (an http tracking server, say)
+        postgres = False
+    if not postgres:
+        yield
+        return
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            deadline = time.monotonic() + wait_s
+            while not conn.execute(text(f"SELECT pg_try_advisory_lock({ADVISORY_KEY})")).scalar():
+                if time.monotonic() > deadline:
+                    raise LockTimeout(
+                        f"{make_url(url)!r}: another process held the set-up lock for {wait_s:.0f} s"
+                    )
+                time.sleep(0.2)
+            try:
+                yield
+            finally:
+                conn.execute(text(f"SELECT pg_advisory_unlock({ADVISORY_KEY})"))
+    finally:
+        engine.dispose()
 
 
 @contextlib.contextmanager

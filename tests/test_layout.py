@@ -4,7 +4,7 @@
 jobs - ``sweep.run`` (train cells), ``sweep.report`` (tables and figures), ``sweep.eval``
 (benchmark scores) - import ``experiments`` and the shared base (``sweep.grid``, ``sweep.gridfile``,
 ``sweep.store``, ``sweep.studies``), never one another, and nothing imports the entry points
-(``sweep.cli``, ``sweep.throughput``, ``sweep.gpu_check``).
+(``sweep.cli``, ``sweep.throughput``, ``sweep.gpu_check``, ``sweep.servers_check``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,14 @@ from conftest import ROOT
 
 PACKAGES = ("experiments", "sweep")
 JOBS = ("sweep.run", "sweep.report", "sweep.eval")
-ENTRY_POINTS = ("sweep.cli", "sweep.browse", "sweep.throughput", "sweep.gpu_check", "sweep.ui_check")
+ENTRY_POINTS = (
+    "sweep.cli",
+    "sweep.browse",
+    "sweep.throughput",
+    "sweep.gpu_check",
+    "sweep.ui_check",
+    "sweep.servers_check",
+)
 MAX_LINES = 400
 
 

@@ -197,6 +197,33 @@ def test_a_cell_another_sweeps_worker_trained_counts_as_skipped_in_this_sweeps_s
     assert theirs.status == "skipped" and theirs.note == f"finished by another sweep's worker {worker_name()}"
 
 
+def test_a_younger_twin_that_found_the_result_does_not_hide_who_trained_the_cell(
+    repo_cache: None, tmp_path: Path
+) -> None:
+    """Two machines' drivers enqueued one cell; the older trial trained it, then a worker took
+    the younger one and found the result (``skipped``): the summary still says ``finished``."""
+    q = queued(tmp_path, MICRO, "baseline")
+    wanted = enqueue_cells(q.queue, q.cells, q.ctx, force=False)
+    attrs = {"run_key": q.cells[0].run_key, "row": "baseline", "seed": 0, "force": False}
+    q.queue.study.enqueue_trial({}, user_attrs=attrs)  # the other machine's driver
+    assert record(q.queue, pop_cell(q.queue, set(wanted)), "finished", avg_ppl=1.0)
+    assert record(q.queue, pop_cell(q.queue, set(wanted)), "skipped", "finished earlier")
+    (mine,) = queue_outcomes(q.queue, q.cells, wanted, q.ctx, own={worker_name()})
+    assert mine.status == "finished"
+
+
+def test_a_cell_whose_worker_died_reads_failed_but_still_in_the_queue(
+    repo_cache: None, tmp_path: Path
+) -> None:
+    """This machine's worker was killed holding the cell: the sweep fails it, saying that the
+    queue still has it (another machine's worker, or the same command again, takes it over)."""
+    q = queued(tmp_path, MICRO, "baseline")
+    wanted = enqueue_cells(q.queue, q.cells, q.ctx, force=False)
+    pop_cell(q.queue, set(wanted))  # taken, never recorded: its worker got SIGKILL
+    (cell,) = queue_outcomes(q.queue, q.cells, wanted, q.ctx, own={"here:1"})
+    assert cell.status == "failed" and cell.note.startswith("still in the queue")
+
+
 def test_a_killed_cell_goes_back_into_the_queue_and_a_lapsed_trial_is_not_overwritten(
     repo_cache: None, tmp_path: Path
 ) -> None:

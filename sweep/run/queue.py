@@ -295,15 +295,20 @@ def queue_outcomes(
 ) -> list[CellResult]:
     """One outcome per cell: skipped (a result before this sweep), or the last
     outcome a worker recorded on one of its trials from ``wanted[run_key]`` on (trial numbers,
-    not clocks: the workers may be on other machines). With ``own`` (this sweep's workers,
+    not clocks: the workers may be on other machines), where ``skipped`` never replaces an
+    earlier outcome (two machines' drivers enqueued the cell: the younger trial, taken after the
+    older one's result, only finds that result). With ``own`` (this sweep's workers,
     ``host:pid``), a cell another sweep's worker took reads ``skipped``, its note saying who and
     what: the summary counts what this sweep did."""
     last: dict[str, FrozenTrial] = {}
     for t in queue.study.get_trials(deepcopy=False):  # in trial-number order
         key, recorded = t.user_attrs.get("run_key"), t.user_attrs.get("outcome")
         if key in wanted and recorded and recorded != Outcome.DUPLICATE and t.number >= wanted[key]:
+            if recorded == Outcome.SKIPPED and key in last:  # a younger twin found the result
+                continue
             last[key] = t
     queued = set(wanted)
+    pending = {t.user_attrs.get("run_key") for t in queue.in_flight()}
     outcomes = []
     for cell in cells:
         if cell.run_key not in queued:
@@ -320,6 +325,9 @@ def queue_outcomes(
             outcomes.append(CellResult(cell, Outcome.SKIPPED, note="finished by another sweep"))
         elif ctx.stop.signum is not None:
             outcomes.append(CellResult(cell, Outcome.NOT_STARTED, note="the sweep was interrupted"))
+        elif cell.run_key in pending:  # this machine's workers died: another's, or a rerun, take it
+            note = "still in the queue: another machine's worker or the same command again trains it"
+            outcomes.append(CellResult(cell, Outcome.FAILED, note=note))
         else:
             note = "no worker finished it (see the workers' output)"
             outcomes.append(CellResult(cell, Outcome.FAILED, note=note))
