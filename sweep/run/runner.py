@@ -204,10 +204,9 @@ def run_cell(
     tracker, out = ctx.tracker, ctx.out
     tracker.ensure_active()
     with claim_lock(tracker.uri):  # two sweeps on one SQLite store never both claim the cell
-        done = tracker.done_run(cell.run_key)
+        done, unfinished = tracker.cell_state(cell.run_key)
         if done is not None and not force:
             return CellResult(cell, Outcome.SKIPPED, note=f"{done.data.tags['status']} earlier")
-        unfinished = tracker.resumable_run(cell.run_key)
         if unfinished is not None and (owner := live_owner(unfinished, STALE_BEATS * ctx.heartbeat_s)):
             out(f"{prefix} skipped: being trained by {owner} (run {unfinished.info.run_id})")
             return CellResult(cell, Outcome.BUSY, note=f"being trained by {owner}")
