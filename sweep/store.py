@@ -253,9 +253,14 @@ class Tracker:
 
     def resumable_run(self, run_key: str) -> Any | None:
         """The newest run of ``run_key`` that did not end (running, failed or killed), if any."""
-        return next(
-            (r for r in self.runs_for(run_key) if r.data.tags.get("status") in Status.RESUMABLE), None
-        )
+        return self.cell_state(run_key)[1]
+
+    def cell_state(self, run_key: str) -> tuple[Any | None, Any | None]:
+        """``(done_run, resumable_run)`` of ``run_key`` from one read of the store, so that a run
+        another process finishes meanwhile is seen as one or the other, never as neither."""
+        runs = self.runs_for(run_key)
+        done = next((r for r in runs if r.data.tags.get("status") in Status.DONE), None)
+        return done, next((r for r in runs if r.data.tags.get("status") in Status.RESUMABLE), None)
 
     def reopen(self, run_id: str) -> None:
         """Mark an unfinished run as running again, for a resumed attempt."""
@@ -266,7 +271,7 @@ class Tracker:
 
     def done_run(self, run_key: str) -> Any | None:
         """The newest run of ``run_key`` that is a result (``finished`` or ``diverged``), if any."""
-        return next((r for r in self.runs_for(run_key) if r.data.tags.get("status") in Status.DONE), None)
+        return self.cell_state(run_key)[0]
 
     def start_cell(self, cell: Cell, extra_tags: dict[str, str] | None = None) -> str:
         """Create the cell's run with its tags, flattened params and resolved config; return its id."""

@@ -18,7 +18,8 @@ from mlflow.entities import ViewType
 
 from sweep.cli import main
 from sweep.grid import load_grid
-from sweep.run.runner import CellResult, summary_line
+from sweep.run.progress import SweepClock
+from sweep.run.runner import CellResult, prepare_sweep, run_cell, summary_line
 from sweep.sqlite_lock import sqlite_file
 from sweep.store import Tracker, tracking_uri
 from tests.conftest import LONG_MICRO, LONG_STEPS, MICRO, ROOT, start_slow_cli, use_repo_cache
@@ -89,7 +90,8 @@ def test_two_sweeps_started_at_once_on_a_new_store_train_each_cell_once(tmp_path
     assert [p.returncode for p in procs] == [0, 0], "\n".join(outputs)
     assert not any("Traceback" in out for out in outputs)
     runs = cell_runs(results)
-    assert sorted(r.data.tags["row"] for r in runs) == ["baseline", "moe", "sdpa_elementwise"]
+    rows = sorted(r.data.tags["row"] for r in runs)
+    assert rows == ["baseline", "moe", "sdpa_elementwise"], "\n".join(outputs)
     assert {(r.data.tags["status"], r.info.lifecycle_stage) for r in runs} == {("finished", "active")}
     summaries = [line for out in outputs for line in out.splitlines() if line.startswith("sweep finished")]
     finished = [int(line.split("finished ")[2].split(",")[0]) for line in summaries]
@@ -145,6 +147,36 @@ def test_a_run_whose_owner_beats_is_left_alone_however_slow_its_first_checkpoint
     assert new.data.tags["status"] == "finished" and new.data.tags["worker"].endswith(f":{os.getpid()}")
     assert float(new.data.tags["heartbeat"]) >= float(owner["heartbeat"])  # its owner beat
     assert steps_of(results, new.info.run_id) == list(range(8))
+
+
+@pytest.mark.slow
+def test_a_run_its_owner_finished_just_before_it_exited_is_skipped_not_restarted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race CI caught in the test above: a sweep reads a cell's run as ``running``, its owner
+    finishes it and exits, and only then is the owner found dead. Without the second read the
+    sweep deleted the finished run and trained the cell again."""
+    use_repo_cache(monkeypatch)
+    grid, results = tmp_path / "micro.yaml", tmp_path / "results"
+    grid.write_text(MICRO)
+    owner = {"worker": "gpu-node-7:4242", "heartbeat": f"{time.time() - 600:.0f}"}
+    planted = plant_running_run(results, grid, "baseline", owner)
+    client = MlflowClient(tracking_uri=f"sqlite:///{results / 'mlflow.db'}")
+
+    def owner_finishes_then_exits(run, stale_s: float, now: float | None = None) -> None:
+        client.set_tag(run.info.run_id, "status", "finished")
+        client.set_terminated(run.info.run_id, "FINISHED")
+
+    monkeypatch.setattr("sweep.run.runner.live_owner", owner_finishes_then_exits)
+    cells = load_grid(grid).cells("tiny", rows=["baseline"])
+    lines: list[str] = []
+    ctx = prepare_sweep(load_grid(grid), cells, results, out=lines.append)
+    result = run_cell(cells[0], ctx, "baseline s0", SweepClock(1))
+    assert (result.status, result.note) == ("skipped", "finished earlier")
+    assert f"baseline s0 skipped: finished by its owner just now (run {planted})" in lines
+    (run,) = cell_runs(results)  # nothing deleted, nothing added
+    assert run.info.run_id == planted and run.info.lifecycle_stage == "active"
+    assert run.data.tags["status"] == "finished"
 
 
 @pytest.mark.slow

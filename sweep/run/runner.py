@@ -183,7 +183,9 @@ def run_cell(
     - A cell with a ``finished`` or ``diverged`` run is skipped (unless ``force``).
     - A cell whose newest run is ``running`` while its owner provably trains it (see
       :func:`~sweep.run.resume.live_owner`: the owner's process on this machine, or a fresh
-      heartbeat from another) is left alone: outcome ``busy``, nothing of that run touched.
+      heartbeat from another) is left alone: outcome ``busy``, nothing of that run touched. Once
+      its owner is found dead the run is read again: an owner that finished it and exited between
+      the two reads leaves a result, and the cell is skipped (never its finished run deleted).
     - A cell whose newest run is ``running`` (its owner died), ``failed`` or ``killed``
       continues in that run from its latest ``step<N>.ckpt``; metric points the run already
       holds are not logged again. Without a usable checkpoint the cell starts over in a new run
@@ -208,13 +210,20 @@ def run_cell(
     tracker, out = ctx.tracker, ctx.out
     tracker.ensure_active()
     with claim_lock(tracker.uri):  # two sweeps on one SQLite store never both claim the cell
-        done = tracker.done_run(cell.run_key)
+        done, unfinished = tracker.cell_state(cell.run_key)
         if done is not None and not force:
             return CellResult(cell, Outcome.SKIPPED, note=f"{done.data.tags['status']} earlier")
-        unfinished = tracker.resumable_run(cell.run_key)
         if unfinished is not None and (owner := live_owner(unfinished, STALE_BEATS * ctx.heartbeat_s)):
             out(f"{prefix} skipped: being trained by {owner} (run {unfinished.info.run_id})")
             return CellResult(cell, Outcome.BUSY, note=f"being trained by {owner}")
+        if unfinished is not None:  # its owner may have ended it between the read and its exit
+            unfinished = tracker.client.get_run(unfinished.info.run_id)
+            if unfinished.info.lifecycle_stage != "active":
+                unfinished = None
+            elif unfinished.data.tags.get("status") in Status.DONE:
+                status = unfinished.data.tags["status"]
+                out(f"{prefix} skipped: {status} by its owner just now (run {unfinished.info.run_id})")
+                return CellResult(cell, Outcome.SKIPPED, note=f"{status} earlier")
         stage = parent_stage(cell, tracker, ctx.results_dir) if cell.parent is not None else None
         if isinstance(stage, str):
             out(f"{prefix} FAILED: {stage}; it trains once the parent has finished")
