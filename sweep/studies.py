@@ -23,6 +23,9 @@ from sweep.store_urls import sqlite_url
 HEARTBEAT_S = 30
 DIVERGED_ATTR = "diverged"  # the user attribute (its reason) of an LR-search trial pruned for diverging
 VAL_LOSS_ATTR = "val_loss"  # the user attribute of a complete LR-search trial: final val/loss, nats
+#: The user attribute of a trial a worker asked for after the other workers had taken the last of
+#: the budget: FAIL without training, and neither an outcome nor a failure (:func:`trial_outcome`).
+SURPLUS_ATTR = "surplus"
 ROW_KEY_ATTR = "row_run_key"  # the study's user attribute: run_key of the row's config at the grid's LR
 
 
@@ -71,8 +74,8 @@ def make_storage(url: str, heartbeat_s: int | None = None, max_retry: int = 1) -
 def trial_outcome(t: FrozenTrial) -> str | None:
     """An LR-search trial as :class:`~experiments.names.TrialOutcome` names it: complete, pruned,
     diverged (PRUNED with a ``diverged`` user attribute: the LR was too large) or fail; None for a
-    trial still waiting or running."""
-    if t.state in (TrialState.RUNNING, TrialState.WAITING):
+    trial still waiting or running, or one beyond the budget that never ran (``SURPLUS_ATTR``)."""
+    if t.state in (TrialState.RUNNING, TrialState.WAITING) or SURPLUS_ATTR in t.user_attrs:
         return None
     if t.state == TrialState.PRUNED:
         return TrialOutcome.DIVERGED if DIVERGED_ATTR in t.user_attrs else TrialOutcome.PRUNED

@@ -108,6 +108,44 @@ def test_a_nan_trial_is_recorded_as_diverged_and_the_study_goes_on(
     assert (setup["results"] / "figures" / "micro_lr_sensitivity.png").stat().st_size > 10_000
 
 
+def test_a_trial_started_once_the_budget_was_taken_is_beyond_it() -> None:
+    """Four trials running or ended for a budget of four: a fifth asked for is beyond it, until
+    one of the four fails (a failed trial leaves its place)."""
+    study = optuna.create_study()
+    first = [study.ask() for _ in range(4)]
+    assert not tune.beyond_budget(study, first[3].number, 4)
+    study.tell(first[0], 3.0)
+    study.tell(first[1], state=TrialState.PRUNED)
+    fifth = study.ask()
+    assert tune.beyond_budget(study, fifth.number, 4)
+    assert not tune.beyond_budget(study, fifth.number, 5)
+    study.tell(first[2], state=TrialState.FAIL)
+    assert not tune.beyond_budget(study, fifth.number, 4)
+
+
+@pytest.mark.slow
+def test_a_worker_that_asks_for_a_trial_beyond_the_budget_stops_without_training(setup: dict) -> None:
+    """Three trials complete and another worker's still running: a budget of four is taken, so
+    the trial this worker asks for is failed untrained (``surplus``), and nothing counts it."""
+    study = _enqueued(setup, [])
+    lr = optuna.distributions.FloatDistribution(1e-4, 1e-2, log=True)
+    for value in (30.0, 20.0, 25.0):
+        study.add_trial(
+            optuna.trial.create_trial(params={"max_lr": 1e-3}, distributions={"max_lr": lr}, value=value)
+        )
+    running = study.ask()  # the other worker's
+    lines: list[str] = []
+    study = tune_row(setup["grid"], "tiny", setup["row"], 4, setup["results"], out=lines.append)
+    surplus = study.get_trials()[-1]
+    assert (surplus.number, surplus.state, surplus.user_attrs) == (4, TrialState.FAIL, {"surplus": True})
+    assert f"[{study.study_name} #4] not run: the other workers took the last of the 4 trials" in lines
+    assert tune.unretried_failures(study) == [] and running.number == 3
+    client = MlflowClient(tracking_uri=f"sqlite:///{setup['results'] / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("micro-tiny-lr")
+    assert client.search_runs([exp.experiment_id], "tags.kind = 'trial'") == []  # nothing trained
+    assert [r["state"] for r in sweep.studies.trial_table(study)] == ["complete"] * 3
+
+
 @pytest.mark.slow
 def test_two_workers_on_one_storage_share_the_budget(setup: dict) -> None:
     env = {**os.environ, "GATED_ATTN_CACHE": str(ROOT / ".cache")}

@@ -25,6 +25,7 @@ the grid sampler; its objective is the final validation Avg PPL (lower is better
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from pathlib import Path
 
@@ -42,7 +43,15 @@ from sweep.run.progress import ProgressPrinter, SweepClock
 from sweep.run.runner import pin_threads, quiet_lightning
 from sweep.run.sysmetrics import system_metrics
 from sweep.store import Tracker, tracking_uri
-from sweep.studies import DIVERGED_ATTR, ROW_KEY_ATTR, VAL_LOSS_ATTR, make_storage, storage_url, trial_outcome
+from sweep.studies import (
+    DIVERGED_ATTR,
+    ROW_KEY_ATTR,
+    SURPLUS_ATTR,
+    VAL_LOSS_ATTR,
+    make_storage,
+    storage_url,
+    trial_outcome,
+)
 
 COUNTED = (TrialState.COMPLETE, TrialState.PRUNED)  # trials that use up the budget
 
@@ -171,6 +180,11 @@ def tune_row(
     clock = SweepClock(todo)
 
     def objective(trial: optuna.Trial) -> float:
+        if beyond_budget(study, trial.number, trials):
+            trial.set_user_attr(SURPLUS_ATTR, True)
+            study.stop()
+            out(f"[{name} #{trial.number}] not run: the other workers took the last of the {trials} trials")
+            raise SurplusTrial(trial.number)
         lr = (
             trial.suggest_float("max_lr", *lr_range, log=True)
             if not ladder
@@ -224,6 +238,9 @@ def tune_row(
         out(f"{prefix} done: Avg PPL {value:.2f}")
         return value
 
+    for handler in logging.getLogger("optuna").handlers:
+        if not any(isinstance(f, _HideSurplus) for f in handler.filters):
+            handler.addFilter(_HideSurplus())
     if todo:
         study.optimize(
             objective,
@@ -241,11 +258,53 @@ def _close(tracker: Tracker, run_id: str, status: str, trial_state: str, note: s
     tracker.finish(run_id, status, note)
 
 
+class SurplusTrial(Exception):
+    """A trial asked for once the budget was taken (see :func:`beyond_budget`): it is failed
+    untrained, marked ``SURPLUS_ATTR``, and its worker stops."""
+
+
+class _HideSurplus(logging.Filter):
+    """Drops Optuna's "Trial N failed ..." warning and traceback for a :class:`SurplusTrial`: the
+    worker says why in one line of its own."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], SurplusTrial))
+
+
+def beyond_budget(study: optuna.Study, number: int, budget: int) -> bool:
+    """Whether trial ``number`` started after ``budget`` others that use up the budget (complete,
+    pruned, or running: each will count once it ends) had started.
+
+    Optuna's ``MaxTrialsCallback`` looks at the count before a worker asks for its next trial, so
+    two workers ending trials at the same moment both see room for one more and both ask for it
+    (CI saw 5 trials for a budget of 4). Trials are ordered by when they started (a retried or
+    enqueued trial keeps an old number but starts late), ties by number.
+    """
+    trials = study.get_trials(deepcopy=False)
+    mine = next(t for t in trials if t.number == number)
+    order = (mine.datetime_start, number)
+    earlier = [
+        t
+        for t in trials
+        if t.number != number
+        and t.state in (*COUNTED, TrialState.RUNNING)
+        and SURPLUS_ATTR not in t.user_attrs
+        and t.datetime_start is not None
+        and (t.datetime_start, t.number) < order
+    ]
+    return len(earlier) >= budget
+
+
 def unretried_failures(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
-    """FAIL trials that no later trial retried (the heartbeat's retry names its ``failed_trial``)."""
+    """FAIL trials that no later trial retried (the heartbeat's retry names its ``failed_trial``),
+    surplus ones (never run) left out."""
     trials = study.get_trials(deepcopy=False)
     retried = {t.system_attrs.get("failed_trial") for t in trials}
-    return [t for t in trials if t.state == TrialState.FAIL and t.number not in retried]
+    return [
+        t
+        for t in trials
+        if t.state == TrialState.FAIL and t.number not in retried and SURPLUS_ATTR not in t.user_attrs
+    ]
 
 
 def _close_orphans(study: optuna.Study, tracker: Tracker) -> None:
