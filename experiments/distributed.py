@@ -10,6 +10,9 @@ and launches nothing: each process builds its own :class:`~experiments.train.Tra
 ``devices = world`` and is one rank of it. On CPU the processes talk over gloo, on CUDA over NCCL
 (Lightning's choice for the accelerator).
 
+A cell on several machines runs :func:`spawn_ranks` on each, with a :class:`NodePlace` saying
+which share of the global ranks is this machine's (``sweep.run.nodes`` tells each machine).
+
 Every rank runs the whole recipe (fit, the last validation, the probes: their MoE forwards
 all-reduce, so every rank must take part); rank 0 alone writes checkpoint files and logs.
 """
@@ -23,6 +26,7 @@ import socket
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,43 +55,91 @@ def die_with_parent(parent: int) -> None:
             os._exit(1)
 
 
+@dataclass(frozen=True)
+class NodePlace:
+    """Where this machine's ranks sit in a job of several machines (``sweep.run.nodes``).
+
+    Attributes:
+        node_rank: this machine's index, 0 .. num_nodes-1 (node 0 holds global rank 0).
+        num_nodes: machines in the job.
+        master_addr: node 0's address, where every rank meets (``MASTER_ADDR``).
+        master_port: a port free on node 0 (``MASTER_PORT``), one per cell.
+    """
+
+    node_rank: int
+    num_nodes: int
+    master_addr: str
+    master_port: int
+
+
+class NodeFailed(RuntimeError):
+    """Another machine's ranks of this cell failed (its one line in the message); ours were ended."""
+
+
 def _rank_main(
-    local_rank: int, parent: int, world: int, port: int, fn: Callable[..., Any], args: tuple, out: str
+    local_rank: int,
+    parent: int,
+    local_world: int,
+    place: NodePlace,
+    fn: Callable[..., Any],
+    args: tuple,
+    out: str,
 ) -> None:
     die_with_parent(parent)
+    rank = place.node_rank * local_world + local_rank
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), NODE_RANK="0",
-        LOCAL_RANK=str(local_rank), RANK=str(local_rank),
+        MASTER_ADDR=place.master_addr, MASTER_PORT=str(place.master_port),
+        WORLD_SIZE=str(local_world * place.num_nodes), NODE_RANK=str(place.node_rank),
+        LOCAL_RANK=str(local_rank), RANK=str(rank),
     )  # fmt: skip
     if not torch.cuda.is_available():
         torch.set_num_threads(CPU_THREADS_PER_RANK)
     value = fn(*args)
-    if local_rank == 0:  # a file, not a pipe: a pipe blocks the writer until read, after the join
+    if rank == 0:  # a file, not a pipe: a pipe blocks the writer until read, after the join
         torch.save(value, out)
 
 
-def spawn_ranks(fn: Callable[..., Any], world: int, *args: Any) -> Any:
-    """Run ``fn(*args)`` in ``world`` new processes, ranks 0..world-1 of one job on this machine,
-    and return what rank 0 returned.
+def spawn_ranks(
+    fn: Callable[..., Any],
+    world: int,
+    *args: Any,
+    place: NodePlace | None = None,
+    abort: Callable[[], str | None] | None = None,
+) -> Any:
+    """Run ``fn(*args)`` in ``world`` new processes on this machine, and return what global rank 0
+    returned (None on a machine other than node 0).
+
+    Alone (``place`` None) they are ranks 0..world-1 of one job. With a ``place``, they are this
+    machine's share of a job of ``place.num_nodes`` machines of ``world`` processes each: ranks
+    ``node_rank * world + local_rank``, meeting at ``place.master_addr:master_port``.
 
     ``fn`` and ``args`` must pickle (a module-level function; configs, paths); ``fn`` builds its
-    trainer with ``devices=world`` (``TrainConfig.devices``, ``num_nodes=1``).
+    trainer with ``devices=world`` and ``num_nodes`` as in ``place`` (``TrainConfig``).
+    ``abort``, asked every second while the ranks run, returns a reason to end them (another
+    machine's ranks failed: ours would wait in a collective until its timeout).
 
     Raises:
         torch.multiprocessing.ProcessRaisedException: a rank raised (its traceback in the message);
             the other ranks are ended.
         torch.multiprocessing.ProcessExitedException: a rank died (a signal, ``os._exit``).
+        NodeFailed: ``abort`` gave a reason; the ranks were ended.
         ValueError: ``world`` below 1.
     """
     if world < 1:
         raise ValueError(f"world must be at least 1, got {world}")
+    place = place or NodePlace(0, 1, "127.0.0.1", free_port())
     with tempfile.TemporaryDirectory(prefix="ranks") as tmp:
         out = str(Path(tmp) / "rank0.pt")
-        mp.start_processes(
+        ranks = mp.start_processes(
             _rank_main,
-            args=(os.getpid(), world, free_port(), fn, args, out),
+            args=(os.getpid(), world, place, fn, args, out),
             nprocs=world,
-            join=True,
+            join=False,
             start_method="spawn",
         )
-        return torch.load(out, weights_only=False)
+        while not ranks.join(timeout=1.0):
+            if abort is not None and (why := abort()):
+                for process in ranks.processes:
+                    process.kill()
+                raise NodeFailed(why)
+        return torch.load(out, weights_only=False) if place.node_rank == 0 else None

@@ -170,9 +170,12 @@ def _main(argv: list[str] | None) -> int:
             print(markdown_table(params_table(grid, args.scale, rows)))
             return 0
         if args.command in ("sweep", "worker", "tune", "stability"):
+            from sweep.run.nodes import NodeGroup
             from sweep.run.runner import check_runnable
 
-            check_runnable(grid, cells)
+            group = NodeGroup.from_env() if args.command == "worker" else None
+            cluster = args.command == "sweep" and args.launcher != "local"  # it sizes the jobs
+            check_runnable(grid, cells, None if cluster else group.num_nodes if group else 1)
         _writable(results)
         from sweep.report.write import write_tables
 
@@ -197,7 +200,7 @@ def _main(argv: list[str] | None) -> int:
         started = time.perf_counter()
         if args.command == "worker":
             return _worker(args, grid, cells, results, cache)
-        launch = launcher_for(args)  # no submitit or no SLURM: one line, before anything starts
+        launch = launcher_for(args, max(c.config.train.num_nodes for c in cells))  # one line if unusable
         for ids in grid.same_config_rows(cells):
             print(f"note: rows {', '.join(ids)} have one config at {args.scale}: trained once, shown in each")
         with StopRequest() as stop:

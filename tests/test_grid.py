@@ -371,5 +371,5 @@ def test_a_cell_on_several_machines_is_refused_before_anything_starts(
     code = main(["sweep", "--grid", str(path), "--results", str(tmp_path / "results")])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1
-    assert err.startswith(f"error: {path}: row 'two': train.num_nodes: num_nodes = 2: the sweep trains")
+    assert err.startswith(f"error: {path}: row 'two': train.num_nodes: num_nodes = 2: a cell on several")
     assert not (tmp_path / "results").exists()

@@ -15,6 +15,7 @@ from experiments.distributed import spawn_ranks
 from experiments.stability import Diverged
 from experiments.train import Training
 from sweep.grid import Cell
+from sweep.run.nodes import leader_for
 from sweep.run.progress import ProgressPrinter, SweepClock
 from sweep.run.resume import FlushBeforeCheckpoint, ResumingMLFlowLogger
 from sweep.store import Tracker, user_tracking_env
@@ -58,8 +59,9 @@ def train_cell(
     replayed steps from being logged twice. ``start_weights`` (a later stage's parent's
     ``final.ckpt``) are the weights a fit from step 0 starts from; a resumed fit restores its own.
 
-    A cell of ``train.world_size`` > 1 (on one machine) trains in that many processes
-    (:func:`experiments.distributed.spawn_ranks`, Lightning DDP): rank 0 records everything above
+    A cell of ``train.world_size`` > 1 trains in that many processes
+    (:func:`experiments.distributed.spawn_ranks`, Lightning DDP; on ``train.num_nodes`` machines,
+    the nodes of this worker's job, :mod:`sweep.run.nodes`): rank 0 records everything above
     through a :class:`Tracker` of its own on the same store and prints the progress lines; the other
     ranks train, validate and probe with it and record nothing. ``extra_callbacks`` are left out
     there (they live in this process): a signal ends the ranks, the cell ends ``failed`` and the
@@ -70,12 +72,14 @@ def train_cell(
         torch.multiprocessing.ProcessRaisedException: a rank of a multi-process cell raised.
     """
     args = (cell, run_id, reference_params, cache_root, checkpoints, resume_from, replayed, start_weights)
-    world = cell.config.train.world_size
-    if world == 1:
+    t = cell.config.train
+    if t.world_size == 1:
         return _train(tracker, progress, extra_callbacks or [], *args)
-    result = spawn_ranks(
-        _rank, world, tracker.uri, tracker.experiment, progress.prefix, progress.clock, *args
-    )
+    rank_args = (tracker.uri, tracker.experiment, progress.prefix, progress.clock, *args)
+    if t.num_nodes > 1:  # this machine's ranks; the job's other nodes start theirs
+        result = leader_for(t.num_nodes).train(_rank, t.devices, *rank_args)
+    else:
+        result = spawn_ranks(_rank, t.devices, *rank_args)
     if isinstance(result, Diverged):  # every rank diverged at the same step (on the global loss)
         raise result
     return result

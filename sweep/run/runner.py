@@ -62,26 +62,40 @@ class SweepContext:
     heartbeat_s: int = HEARTBEAT_S  # how often a cell's owner renews its run's heartbeat tag
 
 
-def check_runnable(grid: Grid, cells: list[Cell]) -> None:
-    """The sweep trains a cell on the devices of this machine (``train.devices`` processes under
-    DDP, :func:`sweep.run.cell.train_cell`); a cell on several machines or under FSDP is refused
-    up front (a cluster launcher starts those: ``experiments.train.Training`` runs them).
+def check_runnable(grid: Grid, cells: list[Cell], nodes: int | None = 1) -> None:
+    """The cells' machines against what trains them: a cell of ``train.num_nodes`` > 1 needs a
+    worker that leads a job of that many nodes (:mod:`sweep.run.nodes`); ``nodes`` is how many
+    this process's worker has (1: one machine), or None for a driver that submits cluster jobs
+    (it sizes them from the cells, so they must all agree). FSDP is refused: it is configured for
+    the ``paper`` scales but has never trained here (no GPU); DDP trains on any number of devices.
 
     Raises:
         GridError: naming the row and the field (``train.num_nodes``, ``train.strategy``).
     """
+    first = next((c for c in cells if c.config.train.num_nodes > 1), None)
     for cell in cells:
         t = cell.config.train
-        if t.num_nodes > 1:
-            why, field = (
-                f"num_nodes = {t.num_nodes}: the sweep trains a cell on one machine",
-                "train.num_nodes",
+        why = field = None
+        if t.strategy == "fsdp":
+            why = (
+                "fsdp: configured for the paper scales, never trained here (Lightning's FSDP needs "
+                "GPUs and none was lent): the sweep trains with ddp"
             )
-        elif t.strategy == "fsdp":
-            why, field = "fsdp: the sweep trains a cell with DDP (or in one process)", "train.strategy"
-        else:
-            continue
-        raise GridError(grid.file, why, cell.row.id, field)
+            field = "train.strategy"
+        elif nodes is None and first is not None and t.num_nodes != first.config.train.num_nodes:
+            why = (
+                f"num_nodes = {t.num_nodes}, but row '{first.row.id}' has {first.config.train.num_nodes}: "
+                "a sweep's cluster jobs have one size; sweep them apart (ROWS=)"
+            )
+            field = "train.num_nodes"
+        elif nodes is not None and t.num_nodes > 1 and t.num_nodes != nodes:
+            why = (
+                f"num_nodes = {t.num_nodes}: a cell on several machines trains in a cluster job of as "
+                "many nodes (LAUNCHER=slurm, or submitit-local to try it here)"
+            )
+            field = "train.num_nodes"
+        if why is not None:
+            raise GridError(grid.file, why, cell.row.id, field)
 
 
 def prepare_sweep(
@@ -92,6 +106,7 @@ def prepare_sweep(
     stop: StopRequest | None = None,
     out: Callable[[str], None] = print,
     heartbeat_s: int = HEARTBEAT_S,
+    nodes: int | None = 1,
 ) -> SweepContext:
     """Check the tracking store answers, build the corpora, then create (or restore) the experiment.
 
@@ -99,11 +114,11 @@ def prepare_sweep(
     before any run (or experiment) exists.
 
     Raises:
-        GridError: a cell asks for several machines or FSDP (:func:`check_runnable`).
+        GridError: a cell's machines do not fit ``nodes`` (:func:`check_runnable`).
         TrackingError: the store is unreachable or unusable.
         CorpusError: a corpus source cannot be built.
     """
-    check_runnable(grid, cells)
+    check_runnable(grid, cells, nodes)
     quiet_lightning()
     pin_threads()
     scale = cells[0].scale

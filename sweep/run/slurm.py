@@ -33,6 +33,8 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from sweep.run.nodes import NODES_ENV, NodeGroup, follow, store_port
+
 if TYPE_CHECKING:  # lightning loads with it; the CLI's parser imports this module
     from sweep.run.interrupt import StopRequest
 
@@ -60,6 +62,7 @@ class ClusterSettings:
     cpus_per_worker: int = 8  # CPUS_PER_WORKER: data loading, the corpus build, the probes
     time_limit_min: int = 240  # TIME_LIMIT, minutes per job (a requeued job starts a new one)
     max_timeouts: int = 3  # requeues after a time limit before a job is left ended
+    nodes: int = 1  # machines per job: the cells' train.num_nodes (sweep.run.nodes)
     extra: dict[str, Any] = field(default_factory=dict)  # more submitit parameters (tests)
 
 
@@ -86,8 +89,10 @@ def make_executor(settings: ClusterSettings) -> Any:
         "name": "gated-attn-worker",
         "timeout_min": settings.time_limit_min,
         "cpus_per_task": settings.cpus_per_worker,
-        "tasks_per_node": 1,
-        "nodes": 1,
+        # One task per node, each starting its GPUs' ranks. submitit's LocalExecutor has one
+        # node: there the tasks stand for the nodes, on this machine.
+        "tasks_per_node": settings.nodes if cluster == "local" else 1,
+        "nodes": 1 if cluster == "local" else settings.nodes,
         "slurm_additional_parameters": {"requeue": True},
     }
     if settings.gpus_per_worker > 0:  # none: no --gpus-per-node=0, which some clusters refuse
@@ -96,6 +101,18 @@ def make_executor(settings: ClusterSettings) -> Any:
         params["slurm_partition"] = settings.partition
     executor.update_parameters(**{**params, **settings.extra})
     return executor
+
+
+def job_nodes() -> tuple[NodeGroup | None, int]:
+    """This task's job as a group of nodes (None for a job of one task) and this task's index
+    (its node: one task per node; on submitit's LocalExecutor the tasks stand for nodes)."""
+    import submitit
+
+    job = submitit.JobEnvironment()
+    if job.num_tasks == 1:
+        return None, 0
+    addr = job.hostnames[0] if job.num_nodes > 1 else "127.0.0.1"
+    return NodeGroup(job.num_tasks, addr, store_port(job.job_id)), job.global_rank
 
 
 def _ignore_submitit_signal() -> None:
@@ -118,7 +135,12 @@ class WorkerJob:
 
     def __call__(self) -> int:
         global _worker
+        group, node_rank = job_nodes()
+        if group is not None and node_rank > 0:
+            return follow(group, node_rank)
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        if group is not None:
+            env[NODES_ENV] = group.to_env()
         _worker = subprocess.Popen(self.command, cwd=self.cwd, env=env, preexec_fn=_ignore_submitit_signal)
         previous = {sig: signal.signal(sig, self._stop) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
@@ -215,8 +237,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def launcher_for(args: argparse.Namespace) -> SubmititLauncher | None:
-    """The launcher the flags ask for; None for local processes.
+def launcher_for(args: argparse.Namespace, nodes: int = 1) -> SubmititLauncher | None:
+    """The launcher the flags ask for, its jobs of ``nodes`` nodes; None for local processes.
 
     Raises:
         LauncherError: see :func:`make_executor`.
@@ -230,5 +252,6 @@ def launcher_for(args: argparse.Namespace) -> SubmititLauncher | None:
         gpus_per_worker=args.gpus_per_worker,
         cpus_per_worker=args.cpus_per_worker,
         time_limit_min=args.time_limit,
+        nodes=nodes,
     )
     return SubmititLauncher(settings)
