@@ -54,9 +54,10 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def start_slow_cli(args: list[str]) -> subprocess.Popen:
+def start_slow_cli(args: list[str], new_session: bool = False) -> subprocess.Popen:
     """Run ``SLOW_CLI`` with ``args`` in a subprocess against the repository's corpus cache and
-    the default (per results folder) stores; output captured as text."""
+    the default (per results folder) stores; output captured as text. ``new_session``: in a
+    process group of its own (``os.killpg`` then signals it and its children, as SLURM would)."""
     env = {**os.environ, "GATED_ATTN_CACHE": str(ROOT / ".cache"), "PYTHONPATH": str(ROOT)}
     env.pop("MLFLOW_TRACKING_URI", None)
     return subprocess.Popen(
@@ -66,6 +67,7 @@ def start_slow_cli(args: list[str]) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=new_session,
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -19,9 +20,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import MICRO, ROOT
+from conftest import LONG_MICRO, LONG_STEPS, MICRO, ROOT, start_slow_cli, wait_for_checkpoint
+from mlflow import MlflowClient
 
 from experiments import names as N
+from experiments.checkpointing import step_checkpoint_name
 from experiments.config import DataConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig
 from experiments.distributed import spawn_ranks
 from experiments.train import Training
@@ -195,6 +198,44 @@ def test_the_sweep_trains_a_moe_cell_on_two_ranks_as_in_one_process(tmp_path: Pa
         assert [v for _, v in two[key]] == pytest.approx([v for _, v in one[key]], rel=1e-4, abs=1e-6), key
     finals = [next((tmp_path / n / "results" / "checkpoints").glob("*/*/final.ckpt")) for n in ("one", "two")]
     assert_close(weights(finals[1]), weights(finals[0]))
+
+
+@GLOO
+@pytest.mark.slow
+def test_sigterm_to_a_two_rank_cell_saves_it_killed_and_the_next_sweep_resumes_it(
+    tmp_path: Path, repo_cache: None
+) -> None:
+    """SIGTERM to the sweep and its ranks (a process group, as SLURM signals a job): the ranks
+    stop at one step and save it, the run is ``killed`` (exit 143), and the next sweep resumes it
+    from that checkpoint, every step logged once."""
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(
+        LONG_MICRO.replace("checkpoint_every: 5}", "checkpoint_every: 5, devices: 2, strategy: ddp}")
+    )
+    results = tmp_path / "results"
+    args = ["sweep", "--grid", str(grid), "--results", str(results), "--rows", "baseline"]
+    sweep = start_slow_cli(args, new_session=True)
+    wait_for_checkpoint(results, 5, [sweep])
+    os.killpg(sweep.pid, signal.SIGTERM)
+    out = sweep.communicate(timeout=300)[0]
+    assert sweep.returncode == 143, out
+    (killed,) = [line for line in out.splitlines() if "KILLED: SIGTERM at step" in line]
+    step = int(killed.split("KILLED: SIGTERM at step ")[1].split(";")[0])
+    assert 5 <= step < LONG_STEPS and step_checkpoint_name(step) in killed
+
+    again = start_slow_cli(args)
+    out = again.communicate(timeout=300)[0]
+    assert again.returncode == 0, out
+    assert f"(killed) from {step_checkpoint_name(step)}" in out
+    client = MlflowClient(tracking_uri=f"sqlite:///{results / 'mlflow.db'}")
+    runs = client.search_runs(
+        [client.get_experiment_by_name("micro-tiny").experiment_id], "tags.kind = 'cell'"
+    )
+    assert len(runs) == 1, [(r.info.run_id, r.data.tags.get("status")) for r in runs]
+    run = runs[0]
+    assert (run.data.tags["status"], run.data.tags["resumed"]) == ("finished", "1")
+    steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, N.TRAIN_LOSS))
+    assert steps == list(range(LONG_STEPS))
 
 
 def test_fsdp_at_the_paper_scale_shards_every_block() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 
@@ -15,6 +16,7 @@ from experiments.distributed import spawn_ranks
 from experiments.stability import Diverged
 from experiments.train import Training
 from sweep.grid import Cell
+from sweep.run.interrupt import STOP_FILE, Interrupted, StopFlag, StopOnRequest, ignore_signals, raise_flag
 from sweep.run.nodes import leader_for
 from sweep.run.progress import ProgressPrinter, SweepClock
 from sweep.run.resume import FlushBeforeCheckpoint, ResumingMLFlowLogger
@@ -64,8 +66,9 @@ def train_cell(
     the nodes of this worker's job, :mod:`sweep.run.nodes`): rank 0 records everything above
     through a :class:`Tracker` of its own on the same store and prints the progress lines; the other
     ranks train, validate and probe with it and record nothing. ``extra_callbacks`` are left out
-    there (they live in this process): a signal ends the ranks, the cell ends ``failed`` and the
-    next sweep resumes it from its last periodic checkpoint.
+    there (they live in this process), but a :class:`StopOnRequest` among them is passed on: its
+    signal stops every rank at one step, with a checkpoint (:class:`StopFlag`), and the cell ends
+    ``killed`` as in one process.
 
     Raises:
         experiments.stability.Diverged: the loss diverged; the last periodic checkpoint stays.
@@ -76,25 +79,39 @@ def train_cell(
     if t.world_size == 1:
         return _train(tracker, progress, extra_callbacks or [], *args)
     rank_args = (tracker.uri, tracker.experiment, progress.prefix, progress.clock, *args)
-    if t.num_nodes > 1:  # this machine's ranks; the job's other nodes start theirs
-        result = leader_for(t.num_nodes).train(_rank, t.devices, *rank_args)
-    else:
-        result = spawn_ranks(_rank, t.devices, *rank_args)
-    if isinstance(result, Diverged):  # every rank diverged at the same step (on the global loss)
+    flag = checkpoints / STOP_FILE
+    flag.unlink(missing_ok=True)  # an earlier attempt's
+    request = next((c.request for c in extra_callbacks or [] if isinstance(c, StopOnRequest)), None)
+
+    def watch() -> None:  # the sweep's signal, passed on to the ranks
+        raise_flag(request, flag)
+
+    try:
+        if t.num_nodes > 1:  # this machine's ranks; the job's other nodes start theirs
+            result = leader_for(t.num_nodes).train(_rank, t.devices, *rank_args, watch=watch)
+        else:
+            result = spawn_ranks(_rank, t.devices, *rank_args, abort=watch)
+    finally:
+        flag.unlink(missing_ok=True)
+    if isinstance(result, (Diverged, Interrupted)):  # every rank stopped at the same step
         raise result
     return result
 
 
 def _rank(
-    uri: str, experiment: str, prefix: str, clock: SweepClock, *args: object
-) -> dict[str, float] | Diverged:
+    uri: str, experiment: str, prefix: str, clock: SweepClock, *args: Any
+) -> dict[str, float] | Diverged | Interrupted:
     """One rank of a multi-process cell (:func:`train_cell`): rank 0 tracks, the others only
-    train; a divergence comes back as a value, which the parent raises."""
+    train; a divergence or a stop on the sweep's signal comes back as a value, which the sweep's
+    process raises."""
+    ignore_signals()  # a terminal's Ctrl-C or SLURM's SIGTERM reaches every rank: the sweep decides
+    checkpoints = args[4]
+    stop = [StopOnRequest(StopFlag(checkpoints / STOP_FILE), checkpoints)]
     try:
         if int(os.environ["RANK"]) == 0:
-            return _train(Tracker(uri, experiment), ProgressPrinter(prefix, clock), [], *args)
-        return _train(None, None, [], *args)
-    except Diverged as err:
+            return _train(Tracker(uri, experiment), ProgressPrinter(prefix, clock), stop, *args)
+        return _train(None, None, stop, *args)
+    except (Diverged, Interrupted) as err:
         return err
 
 
@@ -114,7 +131,7 @@ def _train(
     """:func:`train_cell` in this process; with ``tracker`` None (a rank other than 0), nothing
     is recorded, but every collective step (fit, validation, weights, probes) is taken."""
     if tracker is None:
-        run = Training(cell.config, cache_root, checkpoints=checkpoints)
+        run = Training(cell.config, cache_root, callbacks=extra_callbacks, checkpoints=checkpoints)
         if start_weights is not None and resume_from is None:
             run.start_from(start_weights)
         run.fit(resume_from)

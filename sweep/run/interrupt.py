@@ -5,6 +5,11 @@ first signal only sets a flag. :class:`StopOnRequest`, a Lightning callback, see
 the next training step, saves the training state as ``step<N>.ckpt`` and raises
 :class:`Interrupted`; the runner marks the run KILLED and the sweep stops. A second Ctrl-C
 raises ``KeyboardInterrupt`` at once (the run then resumes from its last periodic checkpoint).
+
+A cell in several processes (DDP) is stopped the same way: the sweep's process writes the signal
+into the cell's checkpoint folder (:data:`STOP_FILE`), and each rank's :class:`StopOnRequest`
+reads it through a :class:`StopFlag`; the ranks agree on the step, save, and return
+:class:`Interrupted` to the sweep.
 """
 
 from __future__ import annotations
@@ -21,12 +26,55 @@ from experiments.checkpointing import save_at_step_start, step_checkpoint_name
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # the shell's 128 + signal number
 
 
+#: In a multi-process cell's checkpoint folder: the sweep's signal number, for its ranks to read.
+STOP_FILE = ".stop"
+
+
 class Interrupted(Exception):
     """Training stopped on a signal at the start of ``step``; the state is saved in ``checkpoint``."""
 
     def __init__(self, signum: int, step: int, checkpoint: Path) -> None:
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
         super().__init__(f"{signal.Signals(signum).name} at step {step}; saved {checkpoint}")
+
+    def __reduce__(self) -> tuple:  # a rank returns it to the sweep's process, pickled
+        return (Interrupted, (self.signum, self.step, self.checkpoint))
+
+
+def ignore_signals() -> None:
+    """SIGINT and SIGTERM do nothing in this process (a rank: its sweep's process decides)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in EXIT_CODES:
+            signal.signal(sig, signal.SIG_IGN)
+
+
+class StopFlag:
+    """A rank's view of its sweep's :class:`StopRequest`, for :class:`StopOnRequest`: the sweep's
+    process writes the signal's number into ``path`` (:func:`raise_flag`); the rank itself
+    ignores SIGINT and SIGTERM, which a terminal or SLURM sends to every process."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @property
+    def signum(self) -> int | None:
+        try:
+            return int(self.path.read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def reclaim(self) -> None:
+        ignore_signals()  # Lightning installs its SIGTERM handler when fit starts
+
+
+def raise_flag(request: StopRequest | None, path: Path) -> None:
+    """Once ``request`` holds a signal, write it to ``path`` for the ranks (:class:`StopFlag`)."""
+    if request is None or request.signum is None or path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(str(request.signum))
+    tmp.replace(path)
 
 
 class StopRequest:
@@ -78,9 +126,15 @@ class StopRequest:
 
 class StopOnRequest(pl.Callback):
     """Before each training step: if ``request`` holds a signal, save the full training state to
-    ``folder/step<N>.ckpt`` and raise :class:`Interrupted`."""
+    ``folder/step<N>.ckpt`` and raise :class:`Interrupted`. Under DDP every rank stops at the
+    same step (any rank's signal stops all: the others would wait in the step's all-reduce).
 
-    def __init__(self, request: StopRequest, folder: Path) -> None:
+    Args:
+        request: a :class:`StopRequest`, or a rank's :class:`StopFlag`.
+        folder: the cell's checkpoint folder.
+    """
+
+    def __init__(self, request: StopRequest | StopFlag, folder: Path) -> None:
         self.request, self.folder = request, folder
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -91,8 +145,11 @@ class StopOnRequest(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
         # At a step's start, as PeriodicCheckpoint: the step before has logged everything.
-        if self.request.signum is None:
+        stop = self.request.signum is not None
+        if trainer.world_size > 1:  # an all-reduce of one flag a step
+            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
+        if not stop:
             return
         path = self.folder / step_checkpoint_name(trainer.global_step)
         save_at_step_start(trainer, path)
-        raise Interrupted(self.request.signum, trainer.global_step, path)
+        raise Interrupted(self.request.signum or signal.SIGTERM, trainer.global_step, path)

@@ -95,9 +95,11 @@ class Leader:
         self.store = _store(group, leader=True)
         self.cells = 0
 
-    def train(self, fn: Callable[..., Any], devices: int, *args: Any) -> Any:
+    def train(
+        self, fn: Callable[..., Any], devices: int, *args: Any, watch: Callable[[], None] | None = None
+    ) -> Any:
         """Run ``fn(*args)`` as the cell's ``devices`` ranks of this machine, the followers running
-        theirs; return what global rank 0 returned.
+        theirs; return what global rank 0 returned. ``watch`` is called every second meanwhile.
 
         Raises:
             experiments.distributed.NodeFailed: a follower's ranks failed (its line).
@@ -112,7 +114,13 @@ class Leader:
         self.store.set(f"cell/{n}", pickle.dumps((fn, args, devices, port)))
         place = NodePlace(0, self.group.num_nodes, self.group.master_addr, port)
         try:
-            return spawn_ranks(fn, devices, *args, place=place, abort=lambda: _failed(self.store, n))
+
+            def abort() -> str | None:
+                if watch is not None:
+                    watch()
+                return _failed(self.store, n)
+
+            return spawn_ranks(fn, devices, *args, place=place, abort=abort)
         except Exception as err:
             self.store.set(f"failed/{n}", f"node 0: {_one_line(err)}")
             raise
