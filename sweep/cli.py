@@ -171,7 +171,7 @@ def _main(argv: list[str] | None) -> int:
             return 0
         if args.command in ("sweep", "worker", "tune", "stability"):
             from sweep.run.nodes import NodeGroup
-            from sweep.run.runner import check_runnable
+            from sweep.run.placement import check_runnable
 
             group = NodeGroup.from_env() if args.command == "worker" else None
             cluster = args.command == "sweep" and args.launcher != "local"  # it sizes the jobs

@@ -249,7 +249,7 @@ def test_fsdp_at_the_paper_scale_shards_every_block() -> None:
     from experiments.train import lightning_strategy
     from sweep.grid import load_grid
     from sweep.gridfile import GridError
-    from sweep.run.runner import check_runnable
+    from sweep.run.placement import check_runnable
 
     (cell,) = load_grid(ROOT / "grids/table1.yaml").cells("paper", rows=["baseline"])
     t = cell.config.train

@@ -17,9 +17,9 @@ from experiments.corpus import build_corpus
 from experiments.names import Outcome, Status
 from experiments.stability import Diverged
 from sweep.grid import Cell, Grid
-from sweep.gridfile import GridError
 from sweep.run.cell import checkpoint_dir, train_cell
 from sweep.run.interrupt import Interrupted, StopOnRequest, StopRequest
+from sweep.run.placement import check_runnable
 from sweep.run.progress import ProgressPrinter, SweepClock
 from sweep.run.quiet import CELL_THREADS, pin_threads, quiet_lightning  # noqa: F401 (re-exported)
 from sweep.run.resume import (
@@ -60,42 +60,6 @@ class SweepContext:
     stop: StopRequest
     out: Callable[[str], None] = print
     heartbeat_s: int = HEARTBEAT_S  # how often a cell's owner renews its run's heartbeat tag
-
-
-def check_runnable(grid: Grid, cells: list[Cell], nodes: int | None = 1) -> None:
-    """The cells' machines against what trains them: a cell of ``train.num_nodes`` > 1 needs a
-    worker that leads a job of that many nodes (:mod:`sweep.run.nodes`); ``nodes`` is how many
-    this process's worker has (1: one machine), or None for a driver that submits cluster jobs
-    (it sizes them from the cells, so they must all agree). FSDP is refused: it is configured for
-    the ``paper`` scales but has never trained here (no GPU); DDP trains on any number of devices.
-
-    Raises:
-        GridError: naming the row and the field (``train.num_nodes``, ``train.strategy``).
-    """
-    first = next((c for c in cells if c.config.train.num_nodes > 1), None)
-    for cell in cells:
-        t = cell.config.train
-        why = field = None
-        if t.strategy == "fsdp":
-            why = (
-                "fsdp: configured for the paper scales, never trained here (Lightning's FSDP needs "
-                "GPUs and none was lent): the sweep trains with ddp"
-            )
-            field = "train.strategy"
-        elif nodes is None and first is not None and t.num_nodes != first.config.train.num_nodes:
-            why = (
-                f"num_nodes = {t.num_nodes}, but row '{first.row.id}' has {first.config.train.num_nodes}: "
-                "a sweep's cluster jobs have one size; sweep them apart (ROWS=)"
-            )
-            field = "train.num_nodes"
-        elif nodes is not None and t.num_nodes > 1 and t.num_nodes != nodes:
-            why = (
-                f"num_nodes = {t.num_nodes}: a cell on several machines trains in a cluster job of as "
-                "many nodes (LAUNCHER=slurm, or submitit-local to try it here)"
-            )
-            field = "train.num_nodes"
-        if why is not None:
-            raise GridError(grid.file, why, cell.row.id, field)
 
 
 def prepare_sweep(
