@@ -111,7 +111,7 @@ ui-check: $(STAMP)
 # what the servers check needs. CI runs it before `make test`, whose tests/test_servers.py then runs.
 servers-setup: $(STAMP)
 	ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || command -v pg_ctl >/dev/null || \
-		(apt-get update -qq && apt-get install -y -qq postgresql >/dev/null)
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null)
 	$(PY) -c "import psycopg" 2>/dev/null || $(PY) -m pip install --quiet -e ".[postgres]"
 
 # the multi-machine recipe (docs/resuming.md) against a throwaway PostgreSQL and MLflow server on
