@@ -19,13 +19,15 @@ all-reduce, so every rank must take part); rank 0 alone writes checkpoint files 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,13 @@ import torch.multiprocessing as mp
 
 #: Threads per rank on CPU: the ranks already share the machine's cores.
 CPU_THREADS_PER_RANK = 1
+#: Signals the ranks ignore from their first instruction: a terminal's Ctrl-C, SLURM's SIGTERM
+#: and submitit's pre-emption signal reach every process of the job; the sweep's process decides
+#: (``sweep.run.interrupt``: it tells the ranks through a file) and ends them itself.
+RANK_IGNORES = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
+#: The environment of a scheduler that Lightning would read the ranks' places from (its
+#: SLURMEnvironment) over the torchrun-style variables :func:`spawn_ranks` sets.
+SCHEDULER_PREFIXES = ("SLURM_",)
 
 
 def free_port() -> int:
@@ -87,6 +96,8 @@ def _rank_main(
 ) -> None:
     die_with_parent(parent)
     rank = place.node_rank * local_world + local_rank
+    for name in [n for n in os.environ if n.startswith(SCHEDULER_PREFIXES)]:
+        del os.environ[name]  # else under SLURM every rank of a task takes SLURM_PROCID as its rank
     os.environ.update(
         MASTER_ADDR=place.master_addr, MASTER_PORT=str(place.master_port),
         WORLD_SIZE=str(local_world * place.num_nodes), NODE_RANK=str(place.node_rank),
@@ -124,22 +135,60 @@ def spawn_ranks(
         torch.multiprocessing.ProcessExitedException: a rank died (a signal, ``os._exit``).
         NodeFailed: ``abort`` gave a reason; the ranks were ended.
         ValueError: ``world`` below 1.
+
+    Whatever ends the wait here (a failed rank, ``abort``, Ctrl-C) ends every rank first. The
+    ranks ignore SIGINT, SIGTERM and SIGUSR2 (:data:`RANK_IGNORES`) and see none of a scheduler's
+    ``SLURM_*`` variables: their places are the ones set here.
     """
     if world < 1:
         raise ValueError(f"world must be at least 1, got {world}")
     place = place or NodePlace(0, 1, "127.0.0.1", free_port())
     with tempfile.TemporaryDirectory(prefix="ranks") as tmp:
         out = str(Path(tmp) / "rank0.pt")
-        ranks = mp.start_processes(
-            _rank_main,
-            args=(os.getpid(), world, place, fn, args, out),
-            nprocs=world,
-            join=False,
-            start_method="spawn",
-        )
-        while not ranks.join(timeout=1.0):
-            if abort is not None and (why := abort()):
-                for process in ranks.processes:
-                    process.kill()
-                raise NodeFailed(why)
+        with _children_ignore(RANK_IGNORES):
+            ranks = mp.start_processes(
+                _rank_main,
+                args=(os.getpid(), world, place, fn, args, out),
+                nprocs=world,
+                join=False,
+                start_method="spawn",
+            )
+        try:
+            # grace 0: a rank failed, the others wait in a collective and ignore SIGTERM; end them
+            while not ranks.join(timeout=1.0, grace_period=0):
+                if abort is not None and (why := abort()):
+                    raise NodeFailed(why)
+        except BaseException:  # NodeFailed, Ctrl-C, a failing ``abort``: leave no rank behind
+            _end(ranks.processes)
+            raise
         return torch.load(out, weights_only=False) if place.node_rank == 0 else None
+
+
+def _end(processes: list[Any]) -> None:
+    """SIGKILL and reap every process of ``processes`` still running."""
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    for process in processes:
+        process.join()
+
+
+@contextlib.contextmanager
+def _children_ignore(signals: tuple[int, ...]) -> Iterator[None]:
+    """Processes started inside ignore ``signals`` from their start (the disposition SIG_IGN
+    survives ``exec``; a handler set later in the child would leave seconds of interpreter
+    start-up in which the signal kills it). The signals stay blocked here meanwhile, so one that
+    comes for this process is delivered on the way out, to its own handler, not lost. Outside
+    the main thread (where Python cannot set handlers) the children start as they would."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signals = tuple(sig for sig in signals if signal.getsignal(sig) is not None)  # None: set in C
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)

@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from experiments.distributed import NodeFailed, free_port
 from sweep.cli import main
-from sweep.run.nodes import Leader, NodeGroup, follow, store_port
+from sweep.run import nodes
+from sweep.run.nodes import Leader, NodeGroup, _store, follow, store_port
 from sweep.run.slurm import ClusterSettings, make_executor
 from tests.conftest import MICRO
 from tests.test_ddp import _histories, assert_close, weights
@@ -71,18 +72,78 @@ def test_a_follower_whose_rank_fails_ends_the_cell_on_every_node() -> None:
     assert isinstance(result, NodeFailed)
     assert str(result).startswith("node 1: ProcessRaisedException: ValueError: disk full on node 1")
     assert time.monotonic() - started < 60  # not node 0's 300 s wait
-    assert lines[-1] == str(result) and status == 0
+    assert lines[-1].startswith("node 1: cell 0 failed\nTraceback") and status == 0
+    assert "ValueError: disk full on node 1" in lines[-1]  # the whole traceback, in the task's log
 
 
 def test_every_task_of_a_job_finds_one_store_port_and_the_leader_its_group() -> None:
     assert store_port("123456") == store_port("123456") != store_port("123457")
-    assert all(20000 <= store_port(str(j)) < 40000 for j in range(200))
+    assert all(20000 <= store_port(str(j)) < 32768 for j in range(500))  # below the ephemeral ports
     group = NodeGroup(4, "gpu-node-7", 31234)
     os.environ["GATED_ATTN_NODES"] = group.to_env()
     try:
         assert NodeGroup.from_env() == group
     finally:
         del os.environ["GATED_ATTN_NODES"]
+
+
+def test_ctrl_c_on_the_leader_tells_the_followers_the_cell_failed(monkeypatch) -> None:
+    monkeypatch.setattr(nodes, "LEAVE_WAIT_S", 0.5)  # no follower will say it left
+    group = NodeGroup(2, "127.0.0.1", free_port())
+    leader = Leader(group)
+    follower = _store(group, leader=False)
+
+    def interrupt() -> None:
+        raise KeyboardInterrupt
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            leader.train(time.sleep, 1, 300, watch=interrupt)
+        assert follower.get("failed/0").decode() == "node 0: KeyboardInterrupt: "
+    finally:
+        leader.close()
+
+
+def test_a_cell_the_follower_cannot_unpickle_fails_with_its_line_and_the_follower_goes_on() -> None:
+    group = NodeGroup(2, "127.0.0.1", free_port())
+    leader = Leader(group)
+    leader.store.set("cell/0", b"cno_such_module_here\nrun\n.")  # pickle of no_such_module_here.run
+    leader.store.set("end", b"1")
+    lines: list[str] = []
+    assert follow(group, 1, lines.append) == 0
+    assert leader.store.get("failed/0").decode() == (
+        "node 1: ModuleNotFoundError: No module named 'no_such_module_here'"
+    )
+    assert lines[0].startswith("node 1: cell 0 failed\nTraceback") and leader.store.add("left", 0) == 1
+
+
+def test_a_follower_with_no_leader_says_where_it_looked_and_exits_1(monkeypatch) -> None:
+    monkeypatch.setattr(nodes, "STORE_TIMEOUT_S", 2)
+    group = NodeGroup(2, "127.0.0.1", free_port())
+    lines: list[str] = []
+    assert follow(group, 1, lines.append) == 1
+    assert lines[0].startswith(f"node 1: no leader's store at 127.0.0.1:{group.store_port} after 2 s")
+
+
+def test_the_leader_opens_its_store_before_the_corpus_is_built(tmp_path: Path, monkeypatch) -> None:
+    """Followers start with the job; the leader's corpus build (``prepare_sweep``) can outlast
+    their wait for its store, so the store opens first."""
+    from sweep.run import queue
+
+    monkeypatch.setattr(nodes, "LEAVE_WAIT_S", 0.5)
+    group = NodeGroup(2, "127.0.0.1", free_port())
+    monkeypatch.setenv(nodes.NODES_ENV, group.to_env())
+    reached = []
+
+    def building_the_corpus(*args: object, **kwargs: object) -> None:
+        follower = _store(group, leader=False)  # connects at once: the store is open
+        reached.append(follower.check(["end"]))
+        raise RuntimeError("stop after the check")
+
+    monkeypatch.setattr(queue, "prepare_sweep", building_the_corpus)
+    with pytest.raises(RuntimeError, match="stop after the check"):
+        queue.run_worker(None, [], tmp_path, "sqlite://", 30, None, None)
+    assert reached == [False]
 
 
 def test_a_two_node_job_asks_slurm_for_two_nodes_of_one_task(tmp_path: Path, monkeypatch) -> None:

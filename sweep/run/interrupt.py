@@ -20,6 +20,7 @@ from pathlib import Path
 from types import FrameType
 
 import lightning.pytorch as pl
+import torch
 
 from experiments.checkpointing import save_at_step_start, step_checkpoint_name
 
@@ -145,11 +146,12 @@ class StopOnRequest(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
         # At a step's start, as PeriodicCheckpoint: the step before has logged everything.
-        stop = self.request.signum is not None
-        if trainer.world_size > 1:  # an all-reduce of one flag a step
-            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
-        if not stop:
+        signum = self.request.signum or 0
+        if trainer.world_size > 1:  # an all-reduce of one number a step: the signal any rank saw
+            seen = torch.tensor(signum, device=trainer.strategy.root_device)
+            signum = int(trainer.strategy.reduce(seen, reduce_op="max"))
+        if not signum:
             return
         path = self.folder / step_checkpoint_name(trainer.global_step)
         save_at_step_start(trainer, path)
-        raise Interrupted(self.request.signum or signal.SIGTERM, trainer.global_step, path)
+        raise Interrupted(signum, trainer.global_step, path)

@@ -24,6 +24,7 @@ import hashlib
 import os
 import pickle
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -65,9 +66,15 @@ class NodeGroup:
         return cls(int(nodes), addr, int(port))
 
 
+#: The store's ports: below Linux's ephemeral range (32768 and up), where the kernel picks the
+#: ports of outgoing connections and of every cell's ``MASTER_PORT``.
+STORE_PORTS = range(20000, 32768)
+
+
 def store_port(job_id: str) -> int:
-    """A port in 20000..39999 for job ``job_id``'s store: every task of the job finds the same one."""
-    return 20000 + int(hashlib.sha256(job_id.encode()).hexdigest(), 16) % 20000
+    """A port of :data:`STORE_PORTS` for job ``job_id``'s store: every task of the job finds the
+    same one without talking."""
+    return STORE_PORTS[int(hashlib.sha256(job_id.encode()).hexdigest(), 16) % len(STORE_PORTS)]
 
 
 def _store(group: NodeGroup, leader: bool) -> Any:
@@ -121,8 +128,9 @@ class Leader:
                 return _failed(self.store, n)
 
             return spawn_ranks(fn, devices, *args, place=place, abort=abort)
-        except Exception as err:
-            self.store.set(f"failed/{n}", f"node 0: {_one_line(err)}")
+        except BaseException as err:  # Ctrl-C too: the followers' ranks must not wait on ours
+            with contextlib.suppress(RuntimeError):
+                self.store.set(f"failed/{n}", f"node 0: {_one_line(err)}")
             raise
 
     def close(self) -> None:
@@ -175,22 +183,30 @@ def _failed(store: Any, n: int) -> str | None:
 
 def follow(group: NodeGroup, node_rank: int, out: Callable[[str], None] = print) -> int:
     """A follower task's life: train its machine's ranks of each cell the leader announces, until
-    ``end``. Returns 0, or 1 when node 0 went away without saying ``end``."""
+    ``end``. Returns 0, or 1 when node 0's store never answered (:data:`STORE_TIMEOUT_S`) or went
+    away without saying ``end``. A cell that fails here (its full traceback in ``out``) is
+    told to the leader in one line, and this task waits for the next."""
     from experiments.distributed import NodePlace, spawn_ranks
 
-    store = _store(group, leader=False)
+    try:
+        store = _store(group, leader=False)
+    except RuntimeError as err:  # torch's DistStoreError after STORE_TIMEOUT_S of retries
+        where = f"{group.master_addr}:{group.store_port}"
+        out(f"node {node_rank}: no leader's store at {where} after {STORE_TIMEOUT_S} s ({_one_line(err)})")
+        return 1
     n = 0
     try:
         while True:
             if store.check([f"cell/{n}"]):
-                fn, args, devices, port = pickle.loads(store.get(f"cell/{n}"))
-                place = NodePlace(node_rank, group.num_nodes, group.master_addr, port)
-                out(f"node {node_rank}: cell {n} on {devices} ranks")
-                try:
+                announced = store.get(f"cell/{n}")
+                try:  # an import error unpickling the cell fails it like any other
+                    fn, args, devices, port = pickle.loads(announced)
+                    place = NodePlace(node_rank, group.num_nodes, group.master_addr, port)
+                    out(f"node {node_rank}: cell {n} on {devices} ranks")
                     spawn_ranks(fn, devices, *args, place=place, abort=lambda n=n: _failed(store, n))
                 except Exception as err:  # noqa: BLE001 - told to the leader, which fails the cell
                     line = f"node {node_rank}: {_one_line(err)}"
-                    out(line)
+                    out(f"node {node_rank}: cell {n} failed\n{''.join(traceback.format_exception(err))}")
                     with contextlib.suppress(RuntimeError):
                         store.set(f"failed/{n}", line)
                 n += 1

@@ -136,7 +136,9 @@ class WorkerJob:
     def __call__(self) -> int:
         global _worker
         group, node_rank = job_nodes()
-        if group is not None and node_rank > 0:
+        if group is not None and node_rank > 0:  # the ranks start here: the worker's place and env
+            os.chdir(self.cwd)
+            os.environ.update(self.env)
             return follow(group, node_rank)
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
         if group is not None:
