@@ -17,7 +17,7 @@ from experiments import names as N
 from experiments.config import RunConfig, TrainConfig
 from experiments.init_stats import init_statistics
 from experiments.model import GatedLM, count_active_parameters, count_parameters
-from experiments.moe import MoEFFN, RouterStats, auxiliary_loss, mean_load_cv, router_stats
+from experiments.moe import MoEFFN, RouterStats, auxiliary_loss, carry_balance, mean_load_cv, router_stats
 from experiments.probes import ProbeResult, run_probes
 from experiments.stability import Diverged, SpikeDetector, check_divergence, divergence_bound
 
@@ -144,8 +144,12 @@ class LMModule(pl.LightningModule):
         return (*auxiliary_loss(stats, self.cfg.model.moe, world), stats)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        accum = self.trainer.accumulate_grad_batches
+        carry_balance(self.model, batch_idx % accum > 0)  # the step's global-batch f (moe.py)
         loss = self.loss(batch)
         aux = self.auxiliary()
+        if (batch_idx + 1) % accum == 0:
+            carry_balance(self.model, False)  # validation and probes start afresh
         figures = (
             {N.TRAIN_LOSS: loss}
             if aux is None

@@ -8,6 +8,11 @@ Auxiliary losses (Qwen MoE / Switch Transformer conventions):
   over the *global* batch: the counts and probability sums are all-reduced across data-parallel
   ranks before the product, not averaged per rank or per micro-batch (global-batch balancing,
   Qiu et al. 2025, "Demons in the detail"). With one process, the global batch is the batch.
+- **Micro-batches** (``train.grad_accum > 1``): a step's global batch arrives in parts, and ``f``
+  of a later part is not known when an earlier one is routed. As Megatron-LM's global auxiliary
+  loss does, the counts accumulate over the step's micro-batches (:func:`carry_balance`): micro-batch
+  ``m`` uses ``f`` of micro-batches 1..m on all ranks (the last one the whole global batch's) with
+  its own ``P``.
 - **Router z-loss** ``mean_tokens(logsumexp(router_logits) ** 2)`` (ST-MoE).
 
 Under data parallelism each rank's loss equals the global batch's loss, and its gradient is the
@@ -33,12 +38,15 @@ class RouterStats:
     """What one MoE forward reports besides its output.
 
     ``lb_loss`` and ``z_loss`` are scalars with gradients; ``load`` is the (E,) number of
-    assignments per expert in the global batch (float, no gradient).
+    assignments per expert in the global batch, and ``tokens`` (0-d) its tokens, both float
+    without gradient and both over the optimiser step's micro-batches so far when it carries
+    (:func:`carry_balance`).
     """
 
     lb_loss: torch.Tensor
     z_loss: torch.Tensor
     load: torch.Tensor
+    tokens: torch.Tensor
 
     @property
     def load_cv(self) -> torch.Tensor:
@@ -64,7 +72,11 @@ def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor,
 
 
 def balancing_losses(
-    logits: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor, global_batch: bool = True
+    logits: torch.Tensor,
+    probs: torch.Tensor,
+    experts: torch.Tensor,
+    global_batch: bool = True,
+    before: RouterStats | None = None,
 ) -> RouterStats:
     """Load-balancing loss and z-loss of one routing (see the module docstring).
 
@@ -72,6 +84,8 @@ def balancing_losses(
         logits: (N, E) router logits; probs: (N, E) their softmax; experts: (N, k) chosen experts.
         global_batch: all-reduce counts and probability sums across data-parallel ranks (when
             ``torch.distributed`` is initialised) before forming the loss.
+        before: the routing of this optimiser step's earlier micro-batches: its counts and tokens
+            join this one's in ``f`` (``P`` stays this micro-batch's).
     """
     n_experts = probs.shape[-1]
     counts = torch.bincount(experts.flatten(), minlength=n_experts).to(probs.dtype)
@@ -85,11 +99,13 @@ def balancing_losses(
         total = prob_sum.detach().clone()
         dist.all_reduce(total)
         prob_sum = prob_sum + (total - prob_sum.detach())
-    f = counts / (tokens * experts.shape[-1])
     p = prob_sum / tokens
+    if before is not None:
+        counts, tokens = counts + before.load, tokens + before.tokens
+    f = counts / (tokens * experts.shape[-1])
     lb = n_experts * (f.detach() * p).sum()
     z = torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
-    return RouterStats(lb, z, counts.detach())
+    return RouterStats(lb, z, counts.detach(), tokens.detach())
 
 
 class MoEFFN(nn.Module):
@@ -118,6 +134,8 @@ class MoEFFN(nn.Module):
         self.w_gate_up = nn.Parameter(torch.randn(n_experts, d_model, 2 * expert_dim) * scale)
         self.w_down = nn.Parameter(torch.randn(n_experts, expert_dim, d_model) * expert_dim**-0.5)
         self.stats: RouterStats | None = None
+        #: Set by :func:`carry_balance`: the next forward continues the last one's optimiser step.
+        self.carry = False
         #: ``torch.nn.functional.grouped_mm`` for the experts; turns itself off where unsupported.
         self.use_grouped_mm = True
 
@@ -137,7 +155,8 @@ class MoEFFN(nn.Module):
         flat = x.reshape(-1, shape[-1])  # (N, d)
         logits = self.router(flat)  # (N, E)
         probs, experts, weights = route(logits, self.top_k)
-        self.stats = balancing_losses(logits, probs, experts, self.global_batch)
+        before = self.stats if self.carry else None
+        self.stats = balancing_losses(logits, probs, experts, self.global_batch, before)
         # Group the N*k assignments by expert (a stable sort); each expert runs once on its slice.
         assigned = experts.flatten()  # (N*k,)
         order = assigned.argsort(stable=True)
@@ -195,6 +214,16 @@ class MoEFFN(nn.Module):
 def router_stats(model: nn.Module) -> list[RouterStats]:
     """The routing statistics of every :class:`MoEFFN` in ``model`` from its last forward."""
     return [m.stats for m in model.modules() if isinstance(m, MoEFFN) and m.stats is not None]
+
+
+def carry_balance(model: nn.Module, carry: bool) -> None:
+    """Whether each :class:`MoEFFN`'s next forward is a later micro-batch of the same optimiser
+    step as its last one (its balancing ``f`` then counts both; module docstring). The training
+    step sets it before every micro-batch and clears it after the step's last, so validation and
+    probes never carry."""
+    for m in model.modules():
+        if isinstance(m, MoEFFN):
+            m.carry = carry
 
 
 def auxiliary_loss(

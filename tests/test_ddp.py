@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -27,6 +28,7 @@ from experiments import names as N
 from experiments.checkpointing import step_checkpoint_name
 from experiments.config import DataConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig
 from experiments.distributed import spawn_ranks
+from experiments.moe import router_stats
 from experiments.train import Training
 from sweep.cli import main
 
@@ -135,6 +137,28 @@ def test_micro_batches_accumulate_to_the_global_batch(tmp_path: Path) -> None:
     resumed = spawn_ranks(train, 2, cfg, tmp_path / "two", tmp_path / "resumed.ckpt", mid)
     assert resumed["losses"] == pytest.approx(two["losses"][3:], rel=1e-5)
     assert_close(weights(tmp_path / "resumed.ckpt"), weights(tmp_path / "two.ckpt"))
+
+
+class BalanceWindow(pl.Callback):
+    """After each micro-batch, the tokens every MoE layer's balancing ``f`` counted."""
+
+    def __init__(self) -> None:
+        self.tokens: list[list[float]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: Any, out: Any, batch: Any, i: int) -> None:
+        self.tokens.append([float(s.tokens) for s in router_stats(module.model)])
+
+
+@pytest.mark.slow
+def test_a_moe_steps_micro_batches_balance_over_its_global_batch() -> None:
+    """``grad_accum: 2``: a step's second micro-batch balances over both (its whole global
+    batch), and the next step's first starts afresh (``experiments.moe.carry_balance``)."""
+    train_cfg = dataclasses.replace(TRAIN, grad_accum=2, max_steps=2, warmup_steps=1, checkpoint_every=0)
+    window = BalanceWindow()
+    cfg = RunConfig(model=KINDS["moe"], train=train_cfg, data=DATA)
+    Training(cfg, ROOT / ".cache", callbacks=[window]).fit()
+    half = TRAIN.batch_size // 2 * TRAIN.seq_len
+    assert window.tokens == [[half] * 2, [2 * half] * 2] * 2  # 2 steps, 2 layers
 
 
 def test_a_global_batch_that_does_not_split_exits_2_with_one_line(

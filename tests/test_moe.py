@@ -17,6 +17,7 @@ from experiments.moe import (
     RouterStats,
     auxiliary_loss,
     balancing_losses,
+    carry_balance,
     mean_load_cv,
     route,
     router_stats,
@@ -64,8 +65,10 @@ def test_grouped_mm_and_the_loop_give_the_same_gradients() -> None:
 
 def test_auxiliary_loss_weights_layer_means_and_undoes_ddp_averaging() -> None:
     stats = [
-        RouterStats(torch.tensor(1.2), torch.tensor(20.0), torch.ones(4)),
-        RouterStats(torch.tensor(1.0), torch.tensor(10.0), torch.tensor([2.0, 0.0, 1.0, 1.0])),
+        RouterStats(torch.tensor(1.2), torch.tensor(20.0), torch.ones(4), torch.tensor(4.0)),
+        RouterStats(
+            torch.tensor(1.0), torch.tensor(10.0), torch.tensor([2.0, 0.0, 1.0, 1.0]), torch.tensor(4.0)
+        ),
     ]
     cfg = MoEConfig(n_experts=4, top_k=1, expert_dim=8, lb_coef=0.01, z_coef=0.001)
     total, lb, z = auxiliary_loss(stats, cfg, world_size=4)
@@ -114,6 +117,31 @@ def test_global_batch_balancing_differs_from_per_micro_batch() -> None:
     assert math.isclose(sum(per_micro).item() / 2, 2 * p, rel_tol=1e-6)  # f = (1, 0) per micro-batch
     assert math.isclose(whole.item(), 1.0, rel_tol=1e-6)  # f = P = (1/2, 1/2): the balanced minimum
     assert whole.item() < sum(per_micro).item() / 2
+
+
+def test_a_steps_later_micro_batch_balances_over_the_micro_batches_before_it() -> None:
+    """``grad_accum: 2``: the second micro-batch's f is the whole global batch's (its counts equal
+    one forward of both halves), its P its own; the first balances on its own; after
+    ``carry_balance(False)`` a forward starts afresh."""
+    torch.manual_seed(3)
+    moe = MoEFFN(d_model=16, n_experts=6, top_k=2, expert_dim=8)
+    x = torch.randn(4, 5, 16)
+    moe(x)
+    whole = moe.stats
+    carry_balance(moe, False)
+    moe(x[:2])
+    first = moe.stats
+    carry_balance(moe, True)
+    moe(x[2:])
+    second = moe.stats
+    assert torch.equal(second.load, whole.load) and float(second.tokens) == float(whole.tokens) == 20
+    assert float(first.tokens) == 10 and float(first.load.sum()) == 20  # 10 tokens x top-2
+    f = whole.load / (20 * 2)
+    p_second = moe.router(x[2:].reshape(-1, 16)).softmax(-1).mean(0)
+    assert math.isclose(second.lb_loss.item(), 6 * float((f * p_second).sum()), rel_tol=1e-6)
+    carry_balance(moe, False)
+    moe(x[2:])
+    assert float(moe.stats.tokens) == 10 and not torch.equal(moe.stats.load, whole.load)
 
 
 def test_gradients_reach_every_expert_that_received_tokens() -> None:
