@@ -13,8 +13,9 @@ and launches nothing: each process builds its own :class:`~experiments.train.Tra
 A cell on several machines runs :func:`spawn_ranks` on each, with a :class:`NodePlace` saying
 which share of the global ranks is this machine's (``sweep.run.nodes`` tells each machine).
 
-Every rank runs the whole recipe (fit, the last validation, the probes: their MoE forwards
-all-reduce, so every rank must take part); rank 0 alone writes checkpoint files and logs.
+Every rank runs the whole recipe: fit, every validation on its share of the held-out windows
+(the sums are all-reduced), the probes (the same batch on every rank, no collective: a MoE's
+balancing all-reduces in training only); rank 0 alone writes checkpoint files and logs.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ import signal
 import socket
 import sys
 import tempfile
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,9 @@ def _rank_main(
     args: tuple,
     out: str,
 ) -> None:
+    for sig in RANK_IGNORES:  # blocked since the start (spawn_ranks); ignored from here, then let in
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, RANK_IGNORES)
     die_with_parent(parent)
     rank = place.node_rank * local_world + local_rank
     for name in [n for n in os.environ if n.startswith(SCHEDULER_PREFIXES)]:
@@ -145,21 +149,23 @@ def spawn_ranks(
     place = place or NodePlace(0, 1, "127.0.0.1", free_port())
     with tempfile.TemporaryDirectory(prefix="ranks") as tmp:
         out = str(Path(tmp) / "rank0.pt")
-        with _children_ignore(RANK_IGNORES):
-            ranks = mp.start_processes(
-                _rank_main,
-                args=(os.getpid(), world, place, fn, args, out),
-                nprocs=world,
-                join=False,
-                start_method="spawn",
-            )
+        ranks = None
         try:
+            with _blocked(RANK_IGNORES):
+                ranks = mp.start_processes(
+                    _rank_main,
+                    args=(os.getpid(), world, place, fn, args, out),
+                    nprocs=world,
+                    join=False,
+                    start_method="spawn",
+                )
             # grace 0: a rank failed, the others wait in a collective and ignore SIGTERM; end them
             while not ranks.join(timeout=1.0, grace_period=0):
                 if abort is not None and (why := abort()):
                     raise NodeFailed(why)
         except BaseException:  # NodeFailed, Ctrl-C, a failing ``abort``: leave no rank behind
-            _end(ranks.processes)
+            if ranks is not None:
+                _end(ranks.processes)
             raise
         return torch.load(out, weights_only=False) if place.node_rank == 0 else None
 
@@ -174,21 +180,17 @@ def _end(processes: list[Any]) -> None:
 
 
 @contextlib.contextmanager
-def _children_ignore(signals: tuple[int, ...]) -> Iterator[None]:
-    """Processes started inside ignore ``signals`` from their start (the disposition SIG_IGN
-    survives ``exec``; a handler set later in the child would leave seconds of interpreter
-    start-up in which the signal kills it). The signals stay blocked here meanwhile, so one that
-    comes for this process is delivered on the way out, to its own handler, not lost. Outside
-    the main thread (where Python cannot set handlers) the children start as they would."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    signals = tuple(sig for sig in signals if signal.getsignal(sig) is not None)  # None: set in C
+def _blocked(signals: tuple[int, ...]) -> Iterator[None]:
+    """Block ``signals`` in this thread while inside: processes it starts inherit the block (over
+    ``exec``) and keep it until :func:`_rank_main` ignores them, so no signal kills a rank in its
+    seconds of interpreter start-up. Nothing is lost here: a signal for this process meanwhile
+    goes to another thread's, or waits until the block ends, and reaches its handler.
+
+    multiprocessing's resource tracker unblocks SIGINT and SIGTERM when it starts (on the first
+    ``spawn``), so it is started first."""
+    resource_tracker.ensure_running()
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
-    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in signals}
     try:
         yield
     finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)

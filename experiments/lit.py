@@ -238,6 +238,9 @@ class LMModule(pl.LightningModule):
     def on_validation_epoch_end(self) -> None:
         if self.trainer.sanity_checking:
             return
+        if self.trainer.world_size > 1:  # each rank validated its share of the windows (NCCL: on its GPU)
+            both = torch.stack([self._nll_sum, self._tok_count]).to(self.device)
+            self._nll_sum, self._tok_count = self.trainer.strategy.reduce(both, reduce_op="sum").cpu()
         mean_nll = self._nll_sum / self._tok_count.clamp(min=1)
         ppl = {d: math.exp(v) for d, v in zip(self.domains, mean_nll.tolist())}
         figures = {N.val_ppl(d): p for d, p in ppl.items()}

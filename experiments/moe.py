@@ -136,6 +136,7 @@ class MoEFFN(nn.Module):
         self.stats: RouterStats | None = None
         #: Set by :func:`carry_balance`: the next forward continues the last one's optimiser step.
         self.carry = False
+        self._step_so_far: RouterStats | None = None  # the last training forward's routing
         #: ``torch.nn.functional.grouped_mm`` for the experts; turns itself off where unsupported.
         self.use_grouped_mm = True
 
@@ -155,8 +156,12 @@ class MoEFFN(nn.Module):
         flat = x.reshape(-1, shape[-1])  # (N, d)
         logits = self.router(flat)  # (N, E)
         probs, experts, weights = route(logits, self.top_k)
-        before = self.stats if self.carry else None
-        self.stats = balancing_losses(logits, probs, experts, self.global_batch, before)
+        # Outside training: no collective (the ranks validate different numbers of batches), and
+        # nothing carried to or from the training step's micro-batches.
+        before = self._step_so_far if self.carry and self.training else None
+        self.stats = balancing_losses(logits, probs, experts, self.global_batch and self.training, before)
+        if self.training:
+            self._step_so_far = self.stats
         # Group the N*k assignments by expert (a stable sort); each expert runs once on its slice.
         assigned = experts.flatten()  # (N*k,)
         order = assigned.argsort(stable=True)

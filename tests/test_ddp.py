@@ -139,6 +139,16 @@ def test_micro_batches_accumulate_to_the_global_batch(tmp_path: Path) -> None:
     assert_close(weights(tmp_path / "resumed.ckpt"), weights(tmp_path / "two.ckpt"))
 
 
+class ValidationSteps(pl.Callback):
+    """The optimiser step of each validation inside ``fit``."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_validation_end(self, trainer: pl.Trainer, module: Any) -> None:
+        self.steps.append(trainer.global_step)
+
+
 class BalanceWindow(pl.Callback):
     """After each micro-batch, the tokens every MoE layer's balancing ``f`` counted."""
 
@@ -149,16 +159,45 @@ class BalanceWindow(pl.Callback):
         self.tokens.append([float(s.tokens) for s in router_stats(module.model)])
 
 
+class LateSignal:
+    """A stop request (``StopOnRequest``'s) whose SIGTERM arrives during the first micro-batch."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    @property
+    def signum(self) -> int | None:
+        self.asked += 1
+        return signal.SIGTERM if self.asked > 1 else None
+
+    def reclaim(self) -> None:
+        pass
+
+
 @pytest.mark.slow
-def test_a_moe_steps_micro_batches_balance_over_its_global_batch() -> None:
+def test_a_moe_steps_micro_batches_balance_over_its_global_batch_and_validate_between_steps() -> None:
     """``grad_accum: 2``: a step's second micro-batch balances over both (its whole global
-    batch), and the next step's first starts afresh (``experiments.moe.carry_balance``)."""
-    train_cfg = dataclasses.replace(TRAIN, grad_accum=2, max_steps=2, warmup_steps=1, checkpoint_every=0)
-    window = BalanceWindow()
+    batch), and the next step's first starts afresh (``experiments.moe.carry_balance``);
+    ``val_every: 2`` validates after steps 2 and 4, not every 2 micro-batches."""
+    train_cfg = dataclasses.replace(TRAIN, grad_accum=2, max_steps=4, val_every=2, checkpoint_every=0)
+    window, validated = BalanceWindow(), ValidationSteps()
     cfg = RunConfig(model=KINDS["moe"], train=train_cfg, data=DATA)
-    Training(cfg, ROOT / ".cache", callbacks=[window]).fit()
+    Training(cfg, ROOT / ".cache", callbacks=[window, validated]).fit()
     half = TRAIN.batch_size // 2 * TRAIN.seq_len
-    assert window.tokens == [[half] * 2, [2 * half] * 2] * 2  # 2 steps, 2 layers
+    assert window.tokens == [[half] * 2, [2 * half] * 2] * 4  # 4 steps, 2 layers
+    assert validated.steps == [2, 4]
+
+
+def test_a_signal_during_a_steps_first_micro_batch_stops_at_the_next_step(tmp_path: Path) -> None:
+    """Saved between micro-batches, the step's accumulated gradient would be lost and the resumed
+    run's micro-batches shifted by one; the stop waits for the step's end."""
+    from sweep.run.interrupt import Interrupted, StopOnRequest
+
+    train_cfg = dataclasses.replace(TRAIN, grad_accum=2, checkpoint_every=0)
+    cfg = RunConfig(model=MODEL, train=train_cfg, data=DATA)
+    with pytest.raises(Interrupted) as stopped:
+        Training(cfg, ROOT / ".cache", callbacks=[StopOnRequest(LateSignal(), tmp_path)]).fit()
+    assert stopped.value.step == 1 and [p.name for p in tmp_path.iterdir()] == ["step000001.ckpt"]
 
 
 def test_a_global_batch_that_does_not_split_exits_2_with_one_line(

@@ -131,6 +131,7 @@ def test_the_leader_opens_its_store_before_the_corpus_is_built(tmp_path: Path, m
     from sweep.run import queue
 
     monkeypatch.setattr(nodes, "LEAVE_WAIT_S", 0.5)
+    monkeypatch.setattr(nodes, "STORE_TIMEOUT_S", 5)  # a store opened late fails in seconds
     group = NodeGroup(2, "127.0.0.1", free_port())
     monkeypatch.setenv(nodes.NODES_ENV, group.to_env())
     reached = []

@@ -91,3 +91,11 @@ def test_ctrl_c_while_the_ranks_run_ends_them_before_it_propagates() -> None:
         spawn_ranks(nap, 2, 300.0, abort=interrupt)
     assert time.monotonic() - started < 60
     assert _ranks_of(os.getpid()) == []  # ended and reaped, not left sleeping
+
+
+def test_ranks_started_from_another_thread_ignore_the_sweeps_signals_too() -> None:
+    seen: list[object] = []
+    thread = threading.Thread(target=lambda: seen.append(spawn_ranks(dispositions, 1)))
+    thread.start()
+    thread.join(timeout=120)
+    assert seen == [{"SIGINT": signal.SIG_IGN, "SIGTERM": signal.SIG_IGN, "SIGUSR2": signal.SIG_IGN}]

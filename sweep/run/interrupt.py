@@ -144,8 +144,13 @@ class StopOnRequest(pl.Callback):
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.request.reclaim()  # the final trainer.validate() registers Lightning's handler again
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: object) -> None:
-        # At a step's start, as PeriodicCheckpoint: the step before has logged everything.
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int
+    ) -> None:
+        # At a step's start, as PeriodicCheckpoint: the step before has logged everything. Not
+        # between a step's micro-batches: their gradients would be lost, the resume misaligned.
+        if batch_idx % trainer.accumulate_grad_batches:
+            return
         signum = self.request.signum or 0
         if trainer.world_size > 1:  # an all-reduce of one number a step: the signal any rank saw
             seen = torch.tensor(signum, device=trainer.strategy.root_device)

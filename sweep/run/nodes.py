@@ -204,11 +204,13 @@ def follow(group: NodeGroup, node_rank: int, out: Callable[[str], None] = print)
                     place = NodePlace(node_rank, group.num_nodes, group.master_addr, port)
                     out(f"node {node_rank}: cell {n} on {devices} ranks")
                     spawn_ranks(fn, devices, *args, place=place, abort=lambda n=n: _failed(store, n))
-                except Exception as err:  # noqa: BLE001 - told to the leader, which fails the cell
+                except BaseException as err:  # told to the leader, which fails the cell
                     line = f"node {node_rank}: {_one_line(err)}"
                     out(f"node {node_rank}: cell {n} failed\n{''.join(traceback.format_exception(err))}")
                     with contextlib.suppress(RuntimeError):
                         store.set(f"failed/{n}", line)
+                    if not isinstance(err, Exception):  # Ctrl-C, SystemExit: this task ends
+                        raise
                 n += 1
             elif store.check(["end"]):
                 if not store.check([f"cell/{n}"]):  # announced just before the end: train it first
