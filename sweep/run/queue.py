@@ -44,7 +44,7 @@ from optuna.trial import FrozenTrial, TrialState
 from experiments.names import Outcome
 from sweep.grid import Cell, Grid
 from sweep.run.interrupt import StopRequest
-from sweep.run.nodes import Leader, leading
+from sweep.run.nodes import leading
 from sweep.run.progress import SweepClock
 from sweep.run.resume import Heartbeat, worker_name
 from sweep.run.runner import CellResult, SweepContext, prepare_sweep, run_cell
@@ -189,65 +189,49 @@ def run_worker(
     # In a job of several nodes its cells of that many nodes train on all; the store opens before
     # the corpus is built, so the followers find it at once, however long that takes.
     with leading() as leader:
-        return _drain(grid, cells, results_dir, url, heartbeat_s, cache_root, stop, out, poll_s, leader)
-
-
-def _drain(
-    grid: Grid,
-    cells: list[Cell],
-    results_dir: Path,
-    url: str,
-    heartbeat_s: int,
-    cache_root: Path | None,
-    stop: StopRequest,
-    out: Callable[[str], None],
-    poll_s: float,
-    leader: Leader | None,
-) -> list[CellResult]:
-    ctx = prepare_sweep(
-        grid, cells, results_dir, cache_root, stop, out, heartbeat_s, leader.group.num_nodes if leader else 1
-    )
-    queue = open_queue(cells[0].scale, url, heartbeat_s)
-    stop.arm()
-    by_key: dict[str, Cell] = {}  # the first cell of each config, as the driver enqueued it
-    for cell in cells:
-        by_key.setdefault(cell.run_key, cell)
-    parents = {c.run_key: c.parent.run_key for c in cells if c.parent is not None}
-    clock = SweepClock(len(by_key))
-    me = worker_name()
-    outcomes: list[CellResult] = []
-    while stop.signum is None:
-        optuna.storages.fail_stale_trials(queue.study)  # a dead worker's cell goes back as WAITING
-        trial = pop_cell(queue, set(by_key), parents)
-        if trial is None:
-            if not any(t.user_attrs.get("run_key") in by_key for t in queue.in_flight()):
+        nodes = leader.group.num_nodes if leader else 1
+        ctx = prepare_sweep(grid, cells, results_dir, cache_root, stop, out, heartbeat_s, nodes)
+        queue = open_queue(cells[0].scale, url, heartbeat_s)
+        stop.arm()
+        by_key: dict[str, Cell] = {}  # the first cell of each config, as the driver enqueued it
+        for cell in cells:
+            by_key.setdefault(cell.run_key, cell)
+        parents = {c.run_key: c.parent.run_key for c in cells if c.parent is not None}
+        clock = SweepClock(len(by_key))
+        me = worker_name()
+        outcomes: list[CellResult] = []
+        while stop.signum is None:
+            optuna.storages.fail_stale_trials(queue.study)  # a dead worker's cell goes back as WAITING
+            trial = pop_cell(queue, set(by_key), parents)
+            if trial is None:
+                if not any(t.user_attrs.get("run_key") in by_key for t in queue.in_flight()):
+                    break
+                time.sleep(poll_s)
+                continue
+            cell = by_key[trial.user_attrs["run_key"]]
+            prefix = f"[{me}] {cell.row.id} s{cell.seed}"
+            states = [t.state for t in queue.in_flight() if t.user_attrs.get("run_key") in by_key]
+            clock.waiting = states.count(TrialState.WAITING)
+            clock.parallel = max(1, states.count(TrialState.RUNNING))
+            if stop.signum is not None:  # the signal came while popping: give the cell back
+                record(queue, trial, Outcome.NOT_STARTED, "the worker was interrupted")
                 break
-            time.sleep(poll_s)
-            continue
-        cell = by_key[trial.user_attrs["run_key"]]
-        prefix = f"[{me}] {cell.row.id} s{cell.seed}"
-        states = [t.state for t in queue.in_flight() if t.user_attrs.get("run_key") in by_key]
-        clock.waiting = states.count(TrialState.WAITING)
-        clock.parallel = max(1, states.count(TrialState.RUNNING))
-        if stop.signum is not None:  # the signal came while popping: give the cell back
-            record(queue, trial, Outcome.NOT_STARTED, "the worker was interrupted")
-            break
-        twin = older_twin(queue, trial)
-        if twin is not None:
-            record(queue, trial, Outcome.DUPLICATE, f"trial {twin.number} has this cell")
-            continue
-        beat = functools.partial(queue.storage.record_heartbeat, queue.trial_id(trial))
-        with Heartbeat(beat, heartbeat_s, f"trial {trial.number}"):
-            outcome = run_cell(cell, ctx, prefix, clock, force=bool(trial.user_attrs.get("force")))
-        if not record(queue, trial, outcome.status, outcome.note, outcome.avg_ppl):
-            out(f"{prefix}: trial {trial.number} was taken over after its heartbeat lapsed")
-        if outcome.status == Outcome.BUSY:  # requeued: look again a heartbeat later, not at once
-            until = time.monotonic() + heartbeat_s
-            while stop.signum is None and time.monotonic() < until:
-                time.sleep(min(poll_s, heartbeat_s))
-            continue
-        outcomes.append(outcome)
-    return outcomes
+            twin = older_twin(queue, trial)
+            if twin is not None:
+                record(queue, trial, Outcome.DUPLICATE, f"trial {twin.number} has this cell")
+                continue
+            beat = functools.partial(queue.storage.record_heartbeat, queue.trial_id(trial))
+            with Heartbeat(beat, heartbeat_s, f"trial {trial.number}"):
+                outcome = run_cell(cell, ctx, prefix, clock, force=bool(trial.user_attrs.get("force")))
+            if not record(queue, trial, outcome.status, outcome.note, outcome.avg_ppl):
+                out(f"{prefix}: trial {trial.number} was taken over after its heartbeat lapsed")
+            if outcome.status == Outcome.BUSY:  # requeued: look again a heartbeat later, not at once
+                until = time.monotonic() + heartbeat_s
+                while stop.signum is None and time.monotonic() < until:
+                    time.sleep(min(poll_s, heartbeat_s))
+                continue
+            outcomes.append(outcome)
+        return outcomes
 
 
 def run_queued_sweep(
