@@ -63,7 +63,15 @@ def _enqueued(s: dict, lrs: list[float]) -> optuna.Study:
 
 
 @pytest.mark.slow
-def test_a_bad_trial_is_pruned_by_step_and_trials_link_to_their_study_run(setup: dict) -> None:
+@pytest.mark.parametrize("devices", [1, 2], ids=["one_process", "two_ranks"])
+def test_a_bad_trial_is_pruned_by_step_and_trials_link_to_their_study_run(setup: dict, devices: int) -> None:
+    """With ``devices: 2`` every trial trains on two DDP ranks; rank 0 reports to the study and
+    the ranks stop together on the pruner's word (``RankPruningCallback``)."""
+    if devices > 1:
+        setup["path"].write_text(TUNE.replace("max_lr: 2e-3,", "max_lr: 2e-3, devices: 2, strategy: ddp,"))
+        setup["grid"] = load_grid(setup["path"])
+        setup["row"] = setup["grid"].rows[0]
+        assert setup["grid"].resolve("tiny", setup["row"], 0).train.world_size == 2
     _enqueued(setup, [5e-3, 4e-3, 1e-6])
     study = tune_row(
         setup["grid"], "tiny", setup["row"], 3, setup["results"], lr_range=(1e-6, 1e-2), out=print

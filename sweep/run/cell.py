@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import optuna
 
 from experiments import names as N
 from experiments.checkpointing import FINAL_CHECKPOINT
@@ -66,19 +67,23 @@ def train_cell(
     the nodes of this worker's job, :mod:`sweep.run.nodes`): rank 0 records everything above
     through a :class:`Tracker` of its own on the same store and prints the progress lines; the other
     ranks train, validate and probe with it and record nothing. ``extra_callbacks`` are left out
-    there (they live in this process), but a :class:`StopOnRequest` among them is passed on: its
-    signal stops every rank at one step, with a checkpoint (:class:`StopFlag`), and the cell ends
-    ``killed`` as in one process.
+    there (they live in this process), except that a :class:`StopOnRequest` among them is passed
+    on (its signal stops every rank at one step, with a checkpoint (:class:`StopFlag`), and the
+    cell ends ``killed`` as in one process), and every rank runs the ``for_ranks()`` of a callback
+    that has one (the LR search's pruning, ``sweep.run.tune.RankPruningCallback``).
 
     Raises:
         experiments.stability.Diverged: the loss diverged; the last periodic checkpoint stays.
         torch.multiprocessing.ProcessRaisedException: a rank of a multi-process cell raised.
+        optuna.TrialPruned: an LR-search trial's pruner stopped it (its callback raised it).
     """
     args = (cell, run_id, reference_params, cache_root, checkpoints, resume_from, replayed, start_weights)
     t = cell.config.train
     if t.world_size == 1:
         return _train(tracker, progress, extra_callbacks or [], *args)
-    rank_args = (tracker.uri, tracker.experiment, progress.prefix, progress.clock, *args)
+    # Callbacks made for the ranks (the LR search's pruning): every rank runs its copy.
+    for_ranks = [c.for_ranks() for c in extra_callbacks or [] if hasattr(c, "for_ranks")]
+    rank_args = (tracker.uri, tracker.experiment, progress.prefix, progress.clock, for_ranks, *args)
     flag = checkpoints / STOP_FILE
     flag.unlink(missing_ok=True)  # an earlier attempt's
     request = next((c.request for c in extra_callbacks or [] if isinstance(c, StopOnRequest)), None)
@@ -93,25 +98,25 @@ def train_cell(
             result = spawn_ranks(_rank, t.devices, *rank_args, abort=watch)
     finally:
         flag.unlink(missing_ok=True)
-    if isinstance(result, (Diverged, Interrupted)):  # every rank stopped at the same step
+    if isinstance(result, (Diverged, Interrupted, optuna.TrialPruned)):  # every rank stopped at one step
         raise result
     return result
 
 
 def _rank(
-    uri: str, experiment: str, prefix: str, clock: SweepClock, *args: Any
-) -> dict[str, float] | Diverged | Interrupted:
+    uri: str, experiment: str, prefix: str, clock: SweepClock, for_ranks: list[pl.Callback], *args: Any
+) -> dict[str, float] | Diverged | Interrupted | optuna.TrialPruned:
     """One rank of a multi-process cell (:func:`train_cell`): rank 0 tracks, the others only
-    train; a divergence or a stop on the sweep's signal comes back as a value, which the sweep's
-    process raises."""
+    train; a divergence, a stop on the sweep's signal or a pruned trial comes back as a value,
+    which the sweep's process raises."""
     ignore_signals()  # a terminal's Ctrl-C or SLURM's SIGTERM reaches every rank: the sweep decides
     checkpoints = args[4]
-    stop = [StopOnRequest(StopFlag(checkpoints / STOP_FILE), checkpoints)]
+    stop = [StopOnRequest(StopFlag(checkpoints / STOP_FILE), checkpoints), *for_ranks]
     try:
         if int(os.environ["RANK"]) == 0:
             return _train(Tracker(uri, experiment), ProgressPrinter(prefix, clock), stop, *args)
         return _train(None, None, stop, *args)
-    except (Diverged, Interrupted) as err:
+    except (Diverged, Interrupted, optuna.TrialPruned) as err:
         return err
 
 

@@ -9,7 +9,8 @@ the grid sampler; its objective is the final validation Avg PPL (lower is better
   Lightning callback reports per epoch and never prunes here); a median pruner decides, from
   the third trial on and never in the first third of training. A ladder never prunes
   (:func:`make_pruner`): it exists to measure every rung, the stability ladder of
-  ``make stability`` included, and a pruned rung has no final loss.
+  ``make stability`` included, and a pruned rung has no final loss. A trial of several
+  processes is pruned the same way (:class:`RankPruningCallback`).
 - **Divergence is data**: a diverged trial is recorded as PRUNED with the user attribute
   ``diverged`` (its reason), and the study goes on. Other errors mark the trial FAIL and the
   study goes on too.
@@ -64,10 +65,13 @@ class StepPruningCallback(pl.Callback):
     Args:
         trial: the running trial.
         monitor: the key of ``LMModule.last_val`` to report (default ``val/loss``, nats).
+        storage: the study's RDB storage URL, for :meth:`for_ranks`.
     """
 
-    def __init__(self, trial: optuna.Trial, monitor: str = N.VAL_LOSS) -> None:
-        self.trial, self.monitor = trial, monitor
+    def __init__(
+        self, trial: optuna.Trial | None, monitor: str = N.VAL_LOSS, storage: str | None = None
+    ) -> None:
+        self.trial, self.monitor, self.storage = trial, monitor, storage
         self.reported: list[int] = []
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -76,10 +80,50 @@ class StepPruningCallback(pl.Callback):
         step = trainer.global_step
         if step in self.reported:  # the post-fit validation repeats the last step
             return
-        self.trial.report(pl_module.last_val[self.monitor], step)
         self.reported.append(step)
-        if step < trainer.max_steps and self.trial.should_prune():  # a finished run is kept
+        if self._prune(trainer, pl_module.last_val[self.monitor], step):
             raise optuna.TrialPruned(f"pruned at step {step}")
+
+    def _prune(self, trainer: pl.Trainer, value: float, step: int) -> bool:
+        self.trial.report(value, step)
+        return step < trainer.max_steps and self.trial.should_prune()  # a finished run is kept
+
+    def for_ranks(self) -> RankPruningCallback:
+        """This callback for the ranks of a multi-process trial (``sweep.run.cell.train_cell``
+        passes it on), reaching the study through its RDB storage URL (``storage``).
+
+        Raises:
+            ValueError: made without ``storage``."""
+        if self.storage is None:
+            raise ValueError("a trial of several processes is pruned through its study's storage URL")
+        study = self.trial.study
+        # Optuna's Trial(study, trial_id) needs the storage's id, which Trial keeps private.
+        trial_id = self.trial._trial_id
+        return RankPruningCallback(self.storage, study.study_name, study.pruner, trial_id, self.monitor)
+
+
+class RankPruningCallback(StepPruningCallback):
+    """:class:`StepPruningCallback` on every rank of a trial trained in several processes: it
+    pickles (the storage URL, the study's name and pruner, the trial's id), global rank 0 opens
+    the trial in the storage, reports and asks the pruner, and every rank gets its answer (a
+    broadcast), so all stop at one step and the trial ends pruned as in one process.
+    """
+
+    def __init__(
+        self, url: str, study: str, pruner: optuna.pruners.BasePruner, trial_id: int, monitor: str
+    ) -> None:
+        super().__init__(None, monitor, url)
+        self.study, self.pruner, self.trial_id = study, pruner, trial_id
+
+    def _prune(self, trainer: pl.Trainer, value: float, step: int) -> bool:
+        prune = False
+        if trainer.is_global_zero:
+            if self.trial is None:
+                storage = make_storage(self.storage)
+                study = optuna.load_study(study_name=self.study, storage=storage, pruner=self.pruner)
+                self.trial = optuna.Trial(study, self.trial_id)
+            prune = super()._prune(trainer, value, step)
+        return bool(trainer.strategy.broadcast(prune))
 
 
 def study_name(grid: Grid, scale: str, row: Row, ladder: bool = False) -> str:
@@ -214,7 +258,7 @@ def tune_row(
                     ProgressPrinter(prefix, clock, out),
                     cache_root,
                     checkpoints,
-                    [StepPruningCallback(trial)],
+                    [StepPruningCallback(trial, storage=url)],
                 )
         except optuna.TrialPruned as err:
             _close(tracker, child, Status.FINISHED, TrialOutcome.PRUNED, str(err))
