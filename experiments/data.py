@@ -8,7 +8,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from experiments.config import DataConfig, TrainConfig
 from experiments.corpus import Corpus, build_corpus
@@ -144,15 +144,13 @@ class CorpusDataModule(pl.LightningDataModule):
         return DataLoader(ds, batch_size=t.device_batch, sampler=sampler, num_workers=0, drop_last=True)
 
     def val_dataloader(self) -> list[DataLoader]:
-        """One loader per domain; under DDP rank r takes windows r, r + world, ... (each window is
-        validated once; ``LMModule`` sums the ranks' figures), so ranks may differ by a batch."""
         t = self.train_cfg
-        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
-        loaders = []
-        for d in self.corpus.domains:
-            windows = HeldOutWindows(
-                self.corpus.tokens("val", d), t.seq_len, t.val_tokens, self.corpus.sequence_tokens
+        return [
+            DataLoader(
+                HeldOutWindows(
+                    self.corpus.tokens("val", d), t.seq_len, t.val_tokens, self.corpus.sequence_tokens
+                ),
+                batch_size=t.batch_size,
             )
-            mine = Subset(windows, range(rank, len(windows), world))
-            loaders.append(DataLoader(mine, batch_size=t.batch_size))
-        return loaders
+            for d in self.corpus.domains
+        ]

@@ -13,9 +13,9 @@ and launches nothing: each process builds its own :class:`~experiments.train.Tra
 A cell on several machines runs :func:`spawn_ranks` on each, with a :class:`NodePlace` saying
 which share of the global ranks is this machine's (``sweep.run.nodes`` tells each machine).
 
-Every rank runs the whole recipe: fit, every validation on its share of the held-out windows
-(the sums are all-reduced), the probes (the same batch on every rank, no collective: a MoE's
-balancing all-reduces in training only); rank 0 alone writes checkpoint files and logs.
+Every rank runs the whole recipe: fit, every validation and the probes, on the same held-out
+windows and probe batch (no collective there: a MoE's balancing all-reduces in training only);
+rank 0 alone writes checkpoint files and logs.
 """
 
 from __future__ import annotations

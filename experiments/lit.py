@@ -98,8 +98,8 @@ class LMModule(pl.LightningModule):
     Under data parallelism (``experiments.distributed``) the training figures are the global
     batch's (losses averaged over the ranks, so every rank takes the same divergence decision;
     tokens/s of all ranks; with ``train.grad_accum`` micro-batches a step, the means over them,
-    logged once a step), every rank validates and probes the same held-out windows (a MoE
-    forward all-reduces, so all must), and rank 0 alone logs.
+    logged once a step), every rank validates and probes the same held-out windows (no
+    collective: a MoE forward all-reduces in training only), and rank 0 alone logs.
 
     Args:
         cfg: the run configuration.
@@ -238,9 +238,6 @@ class LMModule(pl.LightningModule):
     def on_validation_epoch_end(self) -> None:
         if self.trainer.sanity_checking:
             return
-        if self.trainer.world_size > 1:  # each rank validated its share of the windows (NCCL: on its GPU)
-            both = torch.stack([self._nll_sum, self._tok_count]).to(self.device)
-            self._nll_sum, self._tok_count = self.trainer.strategy.reduce(both, reduce_op="sum").cpu()
         mean_nll = self._nll_sum / self._tok_count.clamp(min=1)
         ppl = {d: math.exp(v) for d, v in zip(self.domains, mean_nll.tolist())}
         figures = {N.val_ppl(d): p for d, p in ppl.items()}
