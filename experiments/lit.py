@@ -148,8 +148,6 @@ class LMModule(pl.LightningModule):
         carry_balance(self.model, batch_idx % accum > 0)  # the step's global-batch f (moe.py)
         loss = self.loss(batch)
         aux = self.auxiliary()
-        if (batch_idx + 1) % accum == 0:
-            carry_balance(self.model, False)  # validation and probes start afresh
         figures = (
             {N.TRAIN_LOSS: loss}
             if aux is None

@@ -224,8 +224,8 @@ def router_stats(model: nn.Module) -> list[RouterStats]:
 def carry_balance(model: nn.Module, carry: bool) -> None:
     """Whether each :class:`MoEFFN`'s next forward is a later micro-batch of the same optimiser
     step as its last one (its balancing ``f`` then counts both; module docstring). The training
-    step sets it before every micro-batch and clears it after the step's last, so validation and
-    probes never carry."""
+    step sets it before every micro-batch; a forward outside training (validation, probes, in
+    eval mode) never carries."""
     for m in model.modules():
         if isinstance(m, MoEFFN):
             m.carry = carry

@@ -17,7 +17,7 @@ from experiments.distributed import spawn_ranks
 from experiments.stability import Diverged
 from experiments.train import Training
 from sweep.grid import Cell
-from sweep.run.interrupt import STOP_FILE, Interrupted, StopFlag, StopOnRequest, ignore_signals, raise_flag
+from sweep.run.interrupt import STOP_FILE, Interrupted, StopFlag, StopOnRequest, raise_flag
 from sweep.run.nodes import leader_for
 from sweep.run.progress import ProgressPrinter, SweepClock
 from sweep.run.resume import FlushBeforeCheckpoint, ResumingMLFlowLogger
@@ -30,6 +30,11 @@ def checkpoint_dir(results_dir: Path, experiment: str, run_id: str) -> Path:
     Per run, not per cell: a FORCE retrain never touches the checkpoint of the result it may
     replace."""
     return results_dir / "checkpoints" / experiment / run_id
+
+
+#: How every rank of a multi-process cell stops together short of a result: returned by each
+#: rank as a value (:func:`_rank`), raised again in the sweep's process.
+RANK_STOPS = (Diverged, Interrupted, optuna.TrialPruned)
 
 
 def train_cell(
@@ -98,7 +103,7 @@ def train_cell(
             result = spawn_ranks(_rank, t.devices, *rank_args, abort=watch)
     finally:
         flag.unlink(missing_ok=True)
-    if isinstance(result, (Diverged, Interrupted, optuna.TrialPruned)):  # every rank stopped at one step
+    if isinstance(result, RANK_STOPS):  # every rank stopped at one step
         raise result
     return result
 
@@ -109,14 +114,13 @@ def _rank(
     """One rank of a multi-process cell (:func:`train_cell`): rank 0 tracks, the others only
     train; a divergence, a stop on the sweep's signal or a pruned trial comes back as a value,
     which the sweep's process raises."""
-    ignore_signals()  # a terminal's Ctrl-C or SLURM's SIGTERM reaches every rank: the sweep decides
-    checkpoints = args[4]
+    checkpoints = args[4]  # spawn_ranks has the rank ignore the signals: the sweep's process decides
     stop = [StopOnRequest(StopFlag(checkpoints / STOP_FILE), checkpoints), *for_ranks]
     try:
         if int(os.environ["RANK"]) == 0:
             return _train(Tracker(uri, experiment), ProgressPrinter(prefix, clock), stop, *args)
         return _train(None, None, stop, *args)
-    except (Diverged, Interrupted, optuna.TrialPruned) as err:
+    except RANK_STOPS as err:
         return err
 
 
