@@ -12,6 +12,8 @@
 #            WORKERS=N) | submitit-local (the slurm path on this machine); docs/cluster.md
 #   PARTITION, GPUS_PER_WORKER (1), CPUS_PER_WORKER (8), TIME_LIMIT (minutes per job, 240): the jobs
 #   SYSTEM_METRICS 0 turns off MLflow's system metrics (CPU, memory, GPU) in the cells' runs
+#   CPU_ARITH native: the CPU's own fastest kernels instead of the pinned AVX2 arithmetic that gives
+#            the same numbers on every Intel x86-64 machine (experiments/numerics.py; docs/reproducing.md)
 GRID  ?= grids/table1.yaml
 SCALE ?= tiny
 SEEDS ?=
@@ -29,6 +31,7 @@ GPUS_PER_WORKER ?= 1
 CPUS_PER_WORKER ?= 8
 TIME_LIMIT ?= 240
 SYSTEM_METRICS ?= 1
+CPU_ARITH ?=
 DASHBOARD_PORT ?= 8080
 RUNS ?=
 # A CPU build of torch here; any CUDA build >= 2.5 works elsewhere (TORCH_SPEC="torch" or preinstalled).
@@ -45,9 +48,12 @@ LAUNCH := $(if $(filter-out local,$(LAUNCHER)),--launcher '$(LAUNCHER)' $(if $(P
 ifeq ($(SYSTEM_METRICS),0)
 export SWEEP_SYSTEM_METRICS := 0
 endif
+ifeq ($(CPU_ARITH),native)
+export GATED_ATTN_CPU_ARITH := native
+endif
 ARGS := --grid '$(GRID)' --scale '$(SCALE)' $(if $(SEEDS),--seeds '$(SEEDS)') $(if $(ROWS),--rows '$(ROWS)') $(if $(FORCE),--force)
 
-.PHONY: setup sweep eval tables init-table params tune stability dashboard throughput bench bench-moe gpu-check compare ui ui-check servers-setup servers-check test lint clean
+.PHONY: setup sweep results eval tables init-table params tune stability dashboard throughput bench bench-moe gpu-check compare ui ui-check servers-setup servers-check test golden lint clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -59,6 +65,20 @@ $(STAMP): pyproject.toml
 
 sweep: $(STAMP)
 	$(PY) -m sweep.cli sweep $(ARGS) --workers $(WORKERS) $(if $(STORAGE),--storage '$(STORAGE)') $(LAUNCH)
+
+# every committed table and figure under results/, regenerated in order by its own command (about
+# 1.5 hours on 2 cores): Table 1, then Tables 4 and 3 (which reuse its cells), 2 and 5, the sink
+# task, the stability ladder, the init table, the compare figure (docs/results.md)
+results: $(STAMP)
+	$(MAKE) sweep GRID=grids/table1.yaml
+	$(MAKE) sweep GRID=grids/table4.yaml
+	$(MAKE) sweep GRID=grids/table3.yaml
+	$(MAKE) sweep GRID=grids/table2.yaml
+	$(MAKE) sweep GRID=grids/table5.yaml
+	$(MAKE) sweep GRID=grids/sink.yaml
+	$(MAKE) stability GRID=grids/stability.yaml
+	$(MAKE) init-table
+	$(MAKE) compare GRID=grids/table1.yaml RUNS=baseline,sdpa_elementwise
 
 eval: $(STAMP)
 	$(PY) -m sweep.cli eval $(ARGS)
@@ -131,6 +151,11 @@ ui: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# a change meant to move the numbers: bump NUMBERS_VERSION in experiments/numerics.py, then this
+# rewrites tests/golden/micro.json from the micro sweep (tests/test_golden.py; docs/reproducing.md)
+golden: $(STAMP)
+	$(PY) -m pytest tests/test_golden.py -q --update-golden
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

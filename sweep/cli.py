@@ -238,7 +238,7 @@ def _main(argv: list[str] | None) -> int:
             if o.status in (Outcome.FAILED, Outcome.KILLED, Outcome.BUSY):
                 print(f"  {o.status}: {o.cell.row.id} seed {o.cell.seed}: {o.note}")
         print(f"table: {paths['md']} (also .csv, .tex); browse the runs with: make ui")
-        figures = [str(p) for k, p in paths.items() if k not in ("md", "csv", "tex")]
+        figures = [str(p) for k, p in paths.items() if k not in ("md", "csv", "tex", "manifest")]
         if figures:
             print(f"figures: {', '.join(figures)}")
         return 1 if bench_failed or any(o.status in (Outcome.FAILED, Outcome.KILLED) for o in outcomes) else 0

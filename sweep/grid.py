@@ -26,6 +26,7 @@ from typing import Any
 from experiments.config import RunConfig, TrainConfig
 from experiments.corpus import recipe_hash
 from experiments.names import ProbeColumn
+from experiments.numerics import NUMBERS_VERSION
 from experiments.strict import ConfigError, from_dict, identity_dict, to_dict
 from sweep.evalspec import EvalConfig, LongContextSpec
 from sweep.gridcheck import check_references, check_stage, paper_csv, paper_rows  # noqa: F401 (re-exported)
@@ -291,14 +292,16 @@ def run_key(cfg: RunConfig, parent: Cell | None = None) -> str:
     """16 hex chars of sha256 over the canonical JSON of the resolved config (seed included, the
     placement fields ``TrainConfig.PLACEMENT`` and later options at their defaults left out:
     ``experiments.strict.identity_dict``) and the corpus recipe hash (which also
-    covers source pins and the stdlib's Python version); for a later stage, also its parent
-    cell's run key (another parent, another run).
+    covers source pins and the stdlib's Python version), the numbers version of the code
+    (:data:`experiments.numerics.NUMBERS_VERSION`: a change that moves the numbers trains anew
+    rather than reuse runs of the old ones); for a later stage, also its parent cell's run key
+    (another parent, another run).
 
     Two grids that resolve a cell to the same config share its run: it is trained once."""
     config = identity_dict(cfg)
     for name in TrainConfig.PLACEMENT:
         del config["train"][name]
-    payload: dict[str, Any] = {"config": config, "corpus": recipe_hash(cfg.data)}
+    payload: dict[str, Any] = {"config": config, "corpus": recipe_hash(cfg.data), "numbers": NUMBERS_VERSION}
     if parent is not None:  # only stages: every existing run key stays as it was
         payload["parent"] = parent.run_key
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))

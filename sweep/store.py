@@ -85,17 +85,55 @@ def _file_id(path: Path) -> tuple[int, int] | None:
 
 
 def runtime_tags() -> dict[str, str]:
-    """What computed a run: the device, torch's intra-op threads and the library versions."""
+    """What computed a run: the device, torch's intra-op threads, the CPU arithmetic
+    (:func:`experiments.numerics.cpu_arithmetic`), the numbers version of the code, its git commit
+    (``git_commit``, ``+dirty`` with uncommitted changes; absent outside a checkout) and the
+    library versions."""
     import lightning
     import torch
 
+    from experiments.numerics import NUMBERS_VERSION, cpu_arithmetic
+
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {
+    tags = {
         "device": device,
         "threads": str(torch.get_num_threads()),
+        "cpu_arith": cpu_arithmetic(),
+        "numbers": str(NUMBERS_VERSION),
         "torch": torch.__version__,
         "lightning": lightning.__version__,
     }
+    commit = code_commit()
+    if commit:
+        tags["git_commit"] = commit
+    return tags
+
+
+CODE_PATHS = ("experiments", "sweep", "pyproject.toml")  # what a run's numbers come from
+
+
+def code_commit() -> str | None:
+    """The git commit of the code this process runs (``<sha>+dirty`` when the code, ``experiments/``,
+    ``sweep/`` or ``pyproject.toml``, differs from it; results and docs do not count), or None
+    outside a git checkout or without git."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        if sha.returncode != 0:
+            return None
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--", *CODE_PATHS],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 class Tracker:

@@ -15,6 +15,15 @@ from sweep.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--update-golden",
+        action="store_true",
+        help="rewrite tests/golden/micro.json from this run (tests/test_golden.py)",
+    )
+
+
 MICRO = """\
 name: micro
 title: "Micro sweep"

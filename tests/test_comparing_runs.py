@@ -121,3 +121,24 @@ def test_a_table_never_mixes_runs_computed_with_different_thread_counts() -> Non
     assert f"`make sweep GRID={grid.file} SCALE=tiny ROWS=baseline SEEDS=2 FORCE=1`" in note
     same, none = one_arithmetic(runs.iloc[[0, 1, 3]])
     assert len(same) == 3 and none.empty and _left_out_note(grid, "tiny", same, none) == ""
+
+
+def test_a_table_never_mixes_runs_of_different_cpu_instruction_sets() -> None:
+    """Two Intel CPUs that each pick their fastest kernels sum in different orders (issue 26: 1 % of
+    Avg PPL after 400 steps); the recorded arithmetic tells them apart."""
+    from sweep.report.runs import arithmetic, one_arithmetic
+
+    pinned = {"device": "cpu", "threads": "1", "cpu_arith": "avx2, mkl AVX2, GenuineIntel", "torch": "2.13.0"}
+    native = {**pinned, "cpu_arith": "avx512, mkl auto, GenuineIntel"}
+    assert arithmetic(pinned) == "cpu (avx2, mkl AVX2, GenuineIntel), 1 thread, torch 2.13.0"
+    assert arithmetic({**pinned, "device": "NVIDIA H200"}) == "NVIDIA H200, 1 thread, torch 2.13.0"
+    assert arithmetic({**pinned, "torch": "2.14.1"}) != arithmetic(pinned)  # another build's kernels
+    runs = pd.DataFrame(
+        {
+            "row": ["baseline", "gate", "gate"],
+            "seed": [0, 0, 1],
+            "arithmetic": map(arithmetic, [pinned, pinned, native]),
+        }
+    )
+    kept, left_out = one_arithmetic(runs)
+    assert list(kept.index) == [0, 1] and list(left_out["arithmetic"]) == [arithmetic(native)]

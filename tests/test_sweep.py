@@ -327,3 +327,33 @@ def test_two_rows_of_one_config_both_show_its_run(tmp_path: Path) -> None:
     assert list(frame["label"]) == ["Baseline", "Again"]
     table = build_table(grid, "tiny", frame).set_index("id")
     assert table.loc["baseline_again", "avg_ppl"] == 42.0 and table.loc["baseline_again", "status"] == "ok"
+
+
+@pytest.mark.slow
+def test_micro_table_records_the_commit_command_and_arithmetic_it_came_from(micro: dict) -> None:
+    import json
+
+    import torch
+
+    from experiments.numerics import NUMBERS_VERSION, cpu_arithmetic
+    from sweep.store import code_commit
+
+    manifest = json.loads((micro["results"] / "micro.manifest.json").read_text())
+    assert manifest["command"].startswith("python -m sweep.cli ")
+    assert manifest["runs"] == 3 and manifest["numbers"] == [str(NUMBERS_VERSION)]
+    assert manifest["trained_at_commits"] == {code_commit(): 3}
+    assert manifest["written_by_commit"] == code_commit()
+    assert manifest["arithmetic"] == [f"cpu ({cpu_arithmetic()}), 1 thread, torch {torch.__version__}"]
+    assert {"micro.md", "micro.csv", "micro.tex", "figures/micro_curves.png"} <= set(manifest["files"])
+    header = (micro["results"] / "micro.md").read_text().splitlines()[2]
+    assert f"Runs: 3, trained at commit {code_commit()[:10]}; numbers version {NUMBERS_VERSION}; " in header
+
+
+def test_the_numbers_version_is_part_of_every_run_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A change that moves the numbers bumps the version: the sweep then trains anew rather than
+    show runs of the old numbers as the current code's."""
+    import sweep.grid as G
+
+    before = G.run_key(RunConfig())
+    monkeypatch.setattr(G, "NUMBERS_VERSION", G.NUMBERS_VERSION + 1)
+    assert G.run_key(RunConfig()) != before

@@ -150,12 +150,17 @@ def _curves_note(table: pd.DataFrame) -> str:
     )
 
 
-def markdown(grid: Grid, scale: str, table: pd.DataFrame, shown: pd.DataFrame, command: str) -> str:
-    """The Markdown file: heading, the table, and notes that say what each column means."""
+def markdown(
+    grid: Grid, scale: str, table: pd.DataFrame, shown: pd.DataFrame, command: str, provenance: str = ""
+) -> str:
+    """The Markdown file: heading (with ``provenance``, a sentence naming the runs' commit and
+    arithmetic: ``sweep.report.manifest.provenance_line``), the table, and notes that say what
+    each column means."""
     header = (
         f"# {grid.title}\n\n"
         f"Scale `{scale}`, grid `{grid.file}`, {int(table['n_seeds'].max() or 0)} seed(s) per row at most. "
-        f"Written by `{command}` from the MLflow store.\n\n"
+        f"Written by `{command}` from the MLflow store. {provenance}".rstrip()
+        + "\n\n"
     )
     notes = (
         "\n\nPPL: perplexity on held-out validation documents per domain; Avg PPL is their mean. "

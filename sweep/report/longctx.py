@@ -174,13 +174,14 @@ def paper_block(table: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(lines)
 
 
-def longctx_markdown(grid: Grid, scale: str, table: pd.DataFrame, command: str) -> str:
-    """The Markdown file: per task, the Table 5 layout and the gap between rows, then notes."""
+def longctx_markdown(grid: Grid, scale: str, table: pd.DataFrame, command: str, provenance: str = "") -> str:
+    """The Markdown file: per task, the Table 5 layout and the gap between rows, then notes
+    (``provenance``: as in ``sweep.report.display.markdown``)."""
     seeds = int(table["n"].max()) if len(table) else 0
     out = [
         f"# {grid.title}\n",
         f"Scale `{scale}`, grid `{grid.file}`, {seeds} seed(s) per row at most. "
-        f"Written by `{command}` from the MLflow store. Columns: evaluation length in tokens.\n",
+        f"Written by `{command}` from the MLflow store. {provenance}Columns: evaluation length in tokens.\n",
     ]
     for task in tasks_of(table.rename(columns={"mean": "value"})):
         out.append(f"## {task}\n\n{TASK_NOTES.get(task, _other_note(task))}.\n")

@@ -16,6 +16,7 @@ from experiments import names as N
 from experiments.names import Status, TrialOutcome
 from sweep.grid import Grid, Row
 from sweep.report.display import markdown_table
+from sweep.report.manifest import stage_manifest
 from sweep.report.publish import Staging
 from sweep.report.runs import finished_runs
 from sweep.studies import trial_table
@@ -106,4 +107,5 @@ def write_lr_report(
         staging.text(md, header + markdown_table(shown) + "\n")
         staging.text(csv, table.to_csv(index=False, float_format="%.6g"))
         staging.figure(figure, lr_figure(grid, studies))
-    return [md, csv, figure]
+        manifest = stage_manifest(staging, md, command, [md, csv, figure], None)
+    return [md, csv, figure, manifest]

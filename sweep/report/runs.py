@@ -60,17 +60,24 @@ def _key(grid: Grid, scale: str, row: Row, seed: int) -> str:
     return grid.cells(scale, seeds=[seed], rows=[row.id])[-1].run_key  # a later stage's key has its parent's
 
 
-FRAME_COLUMNS = ["row", "label", "seed", "run_id", "status", "gate", "arithmetic"]
+FRAME_COLUMNS = ["row", "label", "seed", "run_id", "status", "gate", "arithmetic", "git_commit", "numbers"]
 
 
 def arithmetic(tags: dict[str, str]) -> str:
-    """What computed a run, as its tags say: ``cpu, 1 thread``, ``NVIDIA H200, 1 thread``; runs
-    from before the tags read ``unrecorded``. Two runs of one config agree to the last bit only
-    when this agrees (torch's CPU kernels split sums by thread)."""
+    """What computed a run, as its tags say: ``cpu (avx2, mkl AVX2, GenuineIntel), 1 thread, torch
+    2.13.0+cpu``, ``NVIDIA H200, 1 thread, torch 2.13.0+cu128``; a CPU run from before the
+    ``cpu_arith`` tag reads ``cpu, 1 thread, ...`` and one from before any tag ``unrecorded``. Two
+    runs of one config agree to the last bit only when this agrees (torch's CPU kernels split sums
+    by thread, each instruction set sums in its own order (:mod:`experiments.numerics`), and each
+    torch build has its own kernels)."""
     if "device" not in tags:
         return "unrecorded"
     threads = tags.get("threads", "?")
-    return f"{tags['device']}, {threads} thread{'' if threads == '1' else 's'}"
+    device = tags["device"]
+    if device == "cpu" and tags.get("cpu_arith"):
+        device = f"cpu ({tags['cpu_arith']})"
+    torch = f", torch {tags['torch']}" if tags.get("torch") else ""
+    return f"{device}, {threads} thread{'' if threads == '1' else 's'}{torch}"
 
 
 def one_arithmetic(runs: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -86,7 +93,8 @@ def one_arithmetic(runs: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
 def runs_frame(runs: list) -> pd.DataFrame:
     """MLflow runs (``mlflow.search_runs(..., output_format="list")`` or the client's) as one
     line per run: ``row``, ``label``, ``seed``, ``run_id``, ``status``, ``gate`` (see
-    :func:`gate_signature`) and every metric under its MLflow key (older runs' per-layer keys
+    :func:`gate_signature`), ``arithmetic``, ``git_commit`` and ``numbers`` (None when the run
+    has no such tag) and every metric under its MLflow key (older runs' per-layer keys
     renamed, ``experiments.names.current_key``)."""
     records = [
         {
@@ -97,6 +105,8 @@ def runs_frame(runs: list) -> pd.DataFrame:
             "status": r.data.tags.get("status"),
             "gate": gate_signature(r.data.params),
             "arithmetic": arithmetic(r.data.tags),
+            "git_commit": r.data.tags.get("git_commit"),  # the code it was trained with
+            "numbers": r.data.tags.get("numbers"),  # experiments.numerics.NUMBERS_VERSION then
             **{current_key(k): v for k, v in r.data.metrics.items()},
         }
         for r in runs

@@ -31,6 +31,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 from experiments.names import TrialOutcome
 from sweep.grid import Grid
 from sweep.report.display import markdown_table
+from sweep.report.manifest import stage_manifest
 from sweep.report.publish import Staging
 from sweep.studies import trial_table
 
@@ -233,4 +234,5 @@ def write_ladder_report(
         staging.text(md, header + body)
         staging.text(csv, table.to_csv(index=False, float_format="%.6g"))
         staging.figure(figure, ladder_figure(table, ladder))
-    return [md, csv, figure], body
+        manifest = stage_manifest(staging, md, command, [md, csv, figure], None)
+    return [md, csv, figure, manifest], body

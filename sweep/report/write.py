@@ -18,6 +18,7 @@ from sweep.report.longctx import (
     task_block,
     tasks_of,
 )
+from sweep.report.manifest import provenance, provenance_line, stage_manifest
 from sweep.report.publish import Staging
 from sweep.report.runs import finished_runs, one_arithmetic
 from sweep.report.tables import bench_columns, build_table
@@ -55,8 +56,9 @@ def write_tables(
     paths = table_paths(grid, scale, results_dir)
     stem = paths["md"].stem
     figures: dict[str, Path] = {}
+    origin = provenance_line(provenance(runs))
     with Staging(results_dir) as staging:
-        staging.text(paths["md"], markdown(grid, scale, table, shown, command) + left_note)
+        staging.text(paths["md"], markdown(grid, scale, table, shown, command, origin) + left_note)
         staging.text(paths["csv"], table.to_csv(index=False, float_format="%.6g"))
         staging.text(paths["tex"], shown.to_latex(index=False, escape=True))
         if not mean.empty:
@@ -70,6 +72,9 @@ def write_tables(
         for name, fig in drawn.items():
             if fig is not None:
                 figures[name] = staging.figure(results_dir / "figures" / f"{stem}_{name}.png", fig)
+        paths["manifest"] = stage_manifest(
+            staging, paths["md"], command, [*paths.values(), *figures.values()], runs
+        )
     report = tracker.report_run()
     tracker.log_files(report, list(paths.values()), "tables")
     tracker.log_files(report, list(figures.values()), "figures")
@@ -85,7 +90,10 @@ def write_longctx_tables(
     paths = table_paths(grid, scale, results_dir)
     figures: dict[str, Path] = {}
     with Staging(results_dir) as staging:
-        staging.text(paths["md"], longctx_markdown(grid, scale, table, command) + note)
+        staging.text(
+            paths["md"],
+            longctx_markdown(grid, scale, table, command, provenance_line(provenance(runs))) + note,
+        )
         staging.text(paths["csv"], table.to_csv(index=False, float_format="%.6g"))
         main = (
             task_block(table, tasks_of(table.rename(columns={"mean": "value"}))[0]) if len(table) else table
@@ -96,6 +104,9 @@ def write_longctx_tables(
             figures["longctx"] = staging.figure(
                 results_dir / "figures" / f"{paths['md'].stem}_longctx.png", fig
             )
+        paths["manifest"] = stage_manifest(
+            staging, paths["md"], command, [*paths.values(), *figures.values()], runs
+        )
     report = tracker.report_run()
     tracker.log_files(report, list(paths.values()), "tables")
     tracker.log_files(report, list(figures.values()), "figures")
