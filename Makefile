@@ -25,6 +25,9 @@ TRIALS ?= 8
 LADDER ?=
 WORKERS ?= auto
 STORAGE ?=
+# handed to sweep.cli through the environment, never its command line: make echoes commands, and
+# every user of the machine can read a process's command line (a password in the URL)
+export GATED_ATTN_STORAGE := $(STORAGE)
 LAUNCHER ?= local
 PARTITION ?=
 GPUS_PER_WORKER ?= 1
@@ -64,7 +67,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 sweep: $(STAMP)
-	$(PY) -m sweep.cli sweep $(ARGS) --workers $(WORKERS) $(if $(STORAGE),--storage '$(STORAGE)') $(LAUNCH)
+	$(PY) -m sweep.cli sweep $(ARGS) --workers $(WORKERS) $(LAUNCH)
 
 # every committed table and figure under results/, regenerated in order by its own command (about
 # 1.5 hours on 2 cores): Table 1, then Tables 4 and 3 (which reuse its cells), 2 and 5, the sink
@@ -94,15 +97,14 @@ params: $(STAMP)
 	$(PY) -m sweep.cli params $(ARGS)
 
 tune: $(STAMP)
-	$(PY) -m sweep.cli tune $(ARGS) --trials $(TRIALS) $(if $(STORAGE),--storage '$(STORAGE)')
+	$(PY) -m sweep.cli tune $(ARGS) --trials $(TRIALS)
 
 # every row of the stability grid at every rung of its LR ladder, never pruned; resumable (a rerun
 # trains only missing rungs); then results/<grid>_lr_ladder.{md,csv} and figures/<grid>_lr_ladder.png.
 # GRID given on the command line replaces grids/stability.yaml (docs/lr-search.md).
 stability: $(STAMP)
 	$(PY) -m sweep.cli stability --grid '$(if $(filter command line,$(origin GRID)),$(GRID),grids/stability.yaml)' \
-		--scale '$(SCALE)' $(if $(ROWS),--rows '$(ROWS)') $(if $(LADDER),--ladder $(LADDER)) \
-		$(if $(STORAGE),--storage '$(STORAGE)')
+		--scale '$(SCALE)' $(if $(ROWS),--rows '$(ROWS)') $(if $(LADDER),--ladder $(LADDER))
 
 dashboard: $(STAMP)
 	$(VENV)/bin/optuna-dashboard '$(or $(STORAGE),sqlite:///results/optuna.db)' --host 127.0.0.1 --port $(DASHBOARD_PORT)

@@ -193,9 +193,14 @@ class ModelConfig:
         check_literals(self)
         if self.init_ref_width is not None and self.init_ref_width <= 0:
             raise ConfigError("init_ref_width", f"must be positive, got {self.init_ref_width}")
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"):
+        for name in (
+            "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
+            "max_seq_len", "norm_eps", "init_std",
+        ):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ConfigError(name, f"must be positive, got {getattr(self, name)}")
+        if self.rope_theta <= 1:  # a base <= 1 makes every rotation frequency 1 or grow with the channel
+            raise ConfigError("rope_theta", f"must exceed 1 (the RoPE base), got {self.rope_theta}")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
                 "n_kv_heads", f"must divide n_heads={self.n_heads} (GQA), got {self.n_kv_heads}"
@@ -327,9 +332,12 @@ class TrainConfig:
         ):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ConfigError(name, f"must be positive, got {getattr(self, name)}")
-        for name in ("probe_every", "checkpoint_every"):
+        for name in ("probe_every", "checkpoint_every", "grad_clip", "weight_decay"):
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"must be 0 or more, got {getattr(self, name)}")
+        for name in ("beta1", "beta2"):  # AdamW's moving averages: a factor of 1 or more never forgets
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(name, f"must be in [0, 1), got {getattr(self, name)}")
         if self.spike_window < 2:
             raise ConfigError(
                 "spike_window", f"must be at least 2 (a standard deviation), got {self.spike_window}"

@@ -41,6 +41,8 @@ class BackcopyConfig:
                 raise ConfigError(name, f"must be positive, got {getattr(self, name)}")
         if self.triggers >= self.tokens:
             raise ConfigError("triggers", f"must be fewer than tokens={self.tokens}, got {self.triggers}")
+        if self.chain_seed < 0:
+            raise ConfigError("chain_seed", f"must be 0 or more, got {self.chain_seed}")
         if self.concentration <= 0:
             raise ConfigError("concentration", f"must be positive, got {self.concentration}")
         if self.seq_tokens < 3:

@@ -18,56 +18,11 @@ import threading
 import time
 from pathlib import Path
 
+from sweep.cli_parser import parser
+
 
 class UsageError(RuntimeError):
     """Bad input that is not in a grid file (a results folder, say)."""
-
-
-def _parser() -> argparse.ArgumentParser:
-    from sweep.run.slurm import add_arguments as add_launcher_arguments
-    from sweep.studies import HEARTBEAT_S
-
-    p = argparse.ArgumentParser(prog="sweep", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True)
-    for name, text in (
-        ("sweep", "train every unfinished cell, then write the tables"),
-        ("tables", "write results/<grid>.{md,csv,tex} from the tracking store"),
-        ("params", "print total, active and added parameters per row (counted, no training)"),
-        ("tune", "Optuna search of each row's max learning rate, then results/<grid>_lr_search.*"),
-        (
-            "stability",
-            "train each row at every rung of the grid's LR ladder, then results/<grid>_lr_ladder.*",
-        ),
-        ("worker", "train cells from the sweep's queue until it is empty (started by sweep --workers)"),
-        ("eval", "benchmark finished runs that lack scores (the grid's eval.tasks), then the tables"),
-    ):
-        s = sub.add_parser(name, help=text)
-        grid = "grids/stability.yaml" if name == "stability" else "grids/table1.yaml"
-        s.add_argument("--grid", default=grid, help="grid YAML file")
-        s.add_argument("--scale", default="tiny", help="scale profile of the grid")
-        s.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default: the grid's)")
-        s.add_argument("--rows", default=None, help="comma-separated row ids (default: all)")
-        s.add_argument("--force", action="store_true", help="retrain cells that already finished")
-        s.add_argument("--results", default="results", help="results folder (store, tables)")
-        if name in ("sweep", "worker", "tune", "stability"):
-            s.add_argument("--storage", default=None, help="Optuna RDB URL (default results/optuna.db)")
-        if name in ("sweep", "worker"):
-            s.add_argument("--heartbeat", type=int, default=HEARTBEAT_S, help=argparse.SUPPRESS)
-            s.add_argument("--no-system-metrics", action="store_true", help="no MLflow system metrics")
-        if name == "sweep":
-            s.add_argument(
-                "--workers",
-                default="1",
-                help="worker processes, or auto (one per CPU core, one on a GPU); >1 uses the queue",
-            )
-            add_launcher_arguments(s)
-        if name == "tune":
-            s.add_argument("--trials", type=int, default=8, help="trials per row (complete or pruned)")
-            s.add_argument("--lr-range", default="1e-4,1e-2", help="log-uniform max LR range, lo,hi")
-            s.add_argument("--ladder", default=None, help="fixed max LRs, a,b,c (grid sampler)")
-        if name == "stability":
-            s.add_argument("--ladder", default=None, help="max LRs a,b,c (default: the grid's lr_ladder)")
-    return p
 
 
 def _workers(value: str) -> int:
@@ -101,7 +56,10 @@ def _cache_root() -> Path | None:
 
 
 def _command_line() -> str:
-    return "python -m sweep.cli " + shlex.join(sys.argv[1:])
+    """The command as the tables, manifests and stored report name it: no password."""
+    from sweep.store_urls import hide_password
+
+    return hide_password("python -m sweep.cli " + shlex.join(sys.argv[1:]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,14 +90,18 @@ def _interrupt_once(signum: int, frame: object) -> None:
 
 def _main(argv: list[str] | None) -> int:
     # Imported here, not at the top: a Ctrl-C while they load (a second or so) is then one line.
-    from experiments.corpus import CorpusError
+    from experiments.corpus import CorpusDamaged, CorpusError
     from experiments.names import Outcome
     from sweep.grid import load_grid
     from sweep.gridfile import GridError
     from sweep.run.slurm import LauncherError, launcher_for
     from sweep.store import TrackingError
 
-    args = _parser().parse_args(argv)
+    args = parser(__doc__.splitlines()[0]).parse_args(argv)
+    if hasattr(args, "storage") and args.storage is None:
+        from sweep.store_urls import STORAGE_ENV
+
+        args.storage = os.environ.get(STORAGE_ENV) or None
     if args.seeds is not None and args.seeds < 1:
         print("error: --seeds must be at least 1", file=sys.stderr)
         return 2
@@ -242,6 +204,9 @@ def _main(argv: list[str] | None) -> int:
         if figures:
             print(f"figures: {', '.join(figures)}")
         return 1 if bench_failed or any(o.status in (Outcome.FAILED, Outcome.KILLED) for o in outcomes) else 0
+    except CorpusDamaged as err:  # the cache on this machine, not the grid
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     except CorpusError as err:
         print(f"error: {args.grid}: data.sources: {err}", file=sys.stderr)
         return 2
@@ -290,7 +255,7 @@ def _long_context(grid, scale: str, cells, results: Path, cache: Path | None) ->
 
 def _worker_args(args: argparse.Namespace, url: str) -> list[str]:
     """The ``worker`` command line that names the driver's grid, cells, results and queue."""
-    out = ["--grid", args.grid, "--scale", args.scale, "--results", args.results, "--storage", url]
+    out = ["--grid", args.grid, "--scale", args.scale, "--results", args.results]  # the URL: STORAGE_ENV
     out += ["--heartbeat", str(args.heartbeat)] + (["--no-system-metrics"] if args.no_system_metrics else [])
     out += ["--seeds", str(args.seeds)] if args.seeds else []
     return out + (["--rows", args.rows] if args.rows else [])
@@ -335,41 +300,44 @@ def _tune(args: argparse.Namespace, grid, cells, results: Path) -> int:
     if args.trials < 1:
         raise UsageError("--trials must be at least 1")
     studies = _studies(args, grid, cells, results, args.trials, tuple(lr_range), ladder)
+    if isinstance(studies, int):  # stopped by a signal
+        return studies
     paths = write_lr_report(grid, args.scale, studies, results, _command_line(), ladder=bool(ladder))
     print(f"wrote {', '.join(map(str, paths))}; browse the trials with: make ui (or make dashboard)")
     return _failures(studies)
 
 
-def _studies(args: argparse.Namespace, grid, cells, results: Path, trials: int, lr_range, ladder) -> dict:
-    """Run (or continue) one LR study per chosen row (:func:`sweep.run.tune.tune_row`), by row id.
+def _studies(
+    args: argparse.Namespace, grid, cells, results: Path, trials: int, lr_range, ladder
+) -> dict | int:
+    """One LR study per chosen row (:func:`sweep.run.search.tune_rows`), by row id; or the exit
+    status after Ctrl-C / SIGTERM (one line said).
 
     Raises:
-        UsageError: a ladder that does not match the one a study was run with.
+        UsageError: a later-stage row, or a ladder that does not match the one a study was run with.
     """
-    from sweep.run.tune import tune_row
+    from sweep.run.search import SearchStopped, tune_rows
 
-    rows = [c.row for c in cells if c.seed == cells[0].seed]
-    staged = [r.id for r in rows if r.parent is not None]
-    if staged:  # a stage's trial would train from scratch, not from its parent's weights
-        raise UsageError(
-            f"rows {', '.join(staged)} are later stages (parent:); the LR search trains first stages only"
-        )
     try:
-        return {
-            row.id: tune_row(
-                grid, args.scale, row, trials, results, args.storage, lr_range, ladder, _cache_root()
-            )
-            for row in rows
-        }
-    except ValueError as err:  # a ladder that does not match the study's
+        return tune_rows(
+            grid, args.scale, cells, trials, results, args.storage, lr_range, ladder, _cache_root()
+        )
+    except ValueError as err:
         raise UsageError(str(err)) from None
+    except SearchStopped as stopped:
+        print(
+            f"{args.command} interrupted: the running trial stopped and does not count; "
+            "run the same command again to complete the budget",
+            file=sys.stderr,
+        )
+        return stopped.code
 
 
 def _failures(studies: dict) -> int:
     """1 (with a line) when a trial failed and no retry replaced it, else 0."""
-    from sweep.run.tune import unretried_failures
+    from sweep.run.search import failed_trials
 
-    failed = sum(len(unretried_failures(s)) for s in studies.values())
+    failed = failed_trials(studies)
     if failed:
         print(f"{failed} trial(s) failed (not diverged): see their status_note in MLflow")
     return 1 if failed else 0
@@ -388,6 +356,8 @@ def _stability(args: argparse.Namespace, grid, cells, results: Path) -> int:
         raise UsageError(f"{grid.file}: lr_ladder: the grid declares no ladder; add one or give --ladder")
     started = time.perf_counter()
     studies = _studies(args, grid, cells, results, len(ladder), (min(ladder), max(ladder)), ladder)
+    if isinstance(studies, int):  # stopped by a signal
+        return studies
     paths, body = write_ladder_report(grid, args.scale, studies, ladder, results, _command_line())
     minutes = (time.perf_counter() - started) / 60
     print(body, end="")

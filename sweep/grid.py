@@ -49,6 +49,24 @@ class Sections:
         return {k: v for k, v in to_dict(self).items() if v}
 
 
+#: Characters a label or title may not hold: Markdown reads ``<``, ``>`` as HTML, matplotlib
+#: reads ``$`` as the start of math (an unpaired one fails the figure after training).
+_MARKUP = "<>$"
+
+
+def check_shown_text(key: str, text: str) -> None:
+    """A label or title is shown as written in Markdown, LaTeX and figures.
+
+    Raises:
+        ConfigError: ``text`` holds a character of :data:`_MARKUP`.
+    """
+    bad = sorted({c for c in text if c in _MARKUP})
+    if bad:
+        raise ConfigError(
+            key, f"must not hold {', '.join(map(repr, bad))} (Markdown reads <> as HTML, figures $ as math)"
+        )
+
+
 @dataclass(frozen=True)
 class Row:
     """One row of a paper table: overrides of the base, and where the paper reports it."""
@@ -80,6 +98,7 @@ class Row:
             raise ConfigError("id", f"needs an 'id' of [a-z0-9_], got {self.id!r}")
         if not self.label:
             object.__setattr__(self, "label", self.id)
+        check_shown_text("label", self.label)
 
     @property
     def overrides(self) -> dict[str, dict[str, Any]]:
@@ -120,6 +139,7 @@ class GridSpec:
     inherit: str | None = None
 
     def __post_init__(self) -> None:
+        check_shown_text("title", self.title or "")
         if not NAME.match(self.name):
             raise ConfigError(
                 "name", f"must be letters, digits, '_', '.', '-' (a file name), got {self.name!r}"

@@ -36,6 +36,7 @@ def check_references(file: Path, spec: Any) -> None:
                 row.id,
                 "paper_table",
             )
+    _check_paper_layout(file, spec)
     if spec.share_of is not None and spec.share_of not in ids:
         raise GridError(file, f"names no row of the grid: '{spec.share_of}'", path="share_of")
     for rid in spec.longctx.rows if spec.longctx else ():
@@ -62,6 +63,31 @@ def check_references(file: Path, spec: Any) -> None:
             raise GridError(
                 file, f"{row.paper_row} is not a row of sweep/paper/{table}.csv", row.id, "paper_row"
             )
+
+
+def _check_paper_layout(file: Path, spec: Any) -> None:
+    """A paper table fits the report the grid writes: Table 5's by-length layout (a grid with
+    ``longctx:``) reads the paper by ``method``, Tables 1-4's by ``row``."""
+    column, layout = (
+        ("method", "a grid with longctx: (Table 5's layout)")
+        if spec.longctx
+        else ("row", "a grid without longctx: (the layout of Tables 1-4)")
+    )
+    named = [(None, spec.paper_table)] + [(r.id, r.paper_table) for r in spec.rows]
+    for row_id, name in named:
+        if name is not None and column not in paper_columns(name):
+            raise GridError(
+                file,
+                f"sweep/paper/{name}.csv has no '{column}' column, which {layout} reads it by",
+                row_id,
+                "paper_table",
+            )
+
+
+def paper_columns(name: str) -> list[str]:
+    """The column names of the paper table ``sweep/paper/<name>.csv``."""
+    with paper_csv(name).open() as f:
+        return next(csv.reader(f), [])
 
 
 def paper_csv(name: str) -> Path:

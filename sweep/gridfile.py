@@ -5,7 +5,9 @@ raises, :class:`GridError`, whose message names the file, the row and the key pa
 from __future__ import annotations
 
 import copy
+import os
 import re
+import stat
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,11 @@ def _where(mark: yaml.Mark) -> str:
     return f"line {mark.line + 1} column {mark.column + 1}"
 
 
+#: The tag PyYAML gives a ``<<`` key: YAML's merge key, which copies an anchored mapping's keys.
+MERGE_TAG = "tag:yaml.org,2002:merge"
+#: Largest grid file read (bytes): a real grid is a few kilobytes.
+MAX_BYTES = 1_000_000
+
 #: Values a grid may hold once its aliases (``*name``) are expanded: a real grid has a few
 #: hundred; nested aliases ("billion laughs") would otherwise hang the loader.
 MAX_VALUES = 100_000
@@ -74,6 +81,9 @@ def _reject_duplicate_keys(
                     path,
                 )
             key = key_node.value
+            if key_node.tag == MERGE_TAG:  # `<<: *anchor`: the anchor's keys, overridden by this mapping's
+                _reject_duplicate_keys(file, value_node, path, row, budget)
+                continue
             if key_node.tag != "tag:yaml.org,2002:str":  # `1:`, `true:`, `null:` read as a number...
                 raise GridError(
                     file, f"keys must be names, not {key!r} ({_where(key_node.start_mark)})", row, path
@@ -97,6 +107,23 @@ def _reject_duplicate_keys(
             _reject_duplicate_keys(file, item, "" if item_row != row else f"{path}[{i}]", item_row, budget)
 
 
+def _read_bounded(file: Path) -> bytes:
+    """The bytes of a regular file of at most :data:`MAX_BYTES`; a FIFO, a device or a folder
+    would block or never end, so they are refused before anything is read.
+
+    Raises:
+        GridError: not a regular file, or larger than :data:`MAX_BYTES`.
+        OSError: the file cannot be read.
+    """
+    if not stat.S_ISREG(os.stat(file).st_mode):
+        raise GridError(file, "is not a regular file (a grid is a YAML file)")
+    with open(file, "rb") as handle:
+        data = handle.read(MAX_BYTES + 1)
+    if len(data) > MAX_BYTES:
+        raise GridError(file, f"is larger than {MAX_BYTES:,} bytes; a grid is a small YAML file")
+    return data
+
+
 def read_yaml(file: Path) -> Any:
     """Parse a YAML file strictly: duplicate keys rejected, ``2e-3`` read as a float.
 
@@ -104,7 +131,7 @@ def read_yaml(file: Path) -> Any:
         GridError: unreadable file, malformed YAML (with its line), or a duplicate key.
     """
     try:
-        text = file.read_text(encoding="utf-8")
+        text = _read_bounded(file).decode("utf-8")
     except OSError as err:
         raise GridError(file, f"cannot read: {err.strerror}") from None
     except UnicodeDecodeError as err:

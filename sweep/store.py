@@ -289,10 +289,6 @@ class Tracker:
             )
         ]
 
-    def resumable_run(self, run_key: str) -> Any | None:
-        """The newest run of ``run_key`` that did not end (running, failed or killed), if any."""
-        return self.cell_state(run_key)[1]
-
     def cell_state(self, run_key: str) -> tuple[Any | None, Any | None]:
         """``(done_run, resumable_run)`` of ``run_key`` from one read of the store, so that a run
         another process finishes meanwhile is seen as one or the other, never as neither."""
@@ -306,6 +302,21 @@ class Tracker:
         self.client.set_tag(run_id, "status", Status.RUNNING)
         resumes = int(self.client.get_run(run_id).data.tags.get("resumed", 0))
         self.client.set_tag(run_id, "resumed", str(resumes + 1))  # how many times it resumed
+
+    def current_state(self, cell: Any) -> tuple[Any | None, Any | None]:
+        """:meth:`cell_state` of a ``sweep.grid.Cell``, where a later stage's runs count only while
+        they started from its parent's current result (tag ``parent_run``): a parent retrained
+        (``FORCE=1``), or deleted and retrained, makes its stages train again from step 0."""
+        runs = self.cell_state(cell.run_key)
+        if cell.parent is None or runs == (None, None):
+            return runs
+        parent = self.current_result(cell.parent)
+        source = parent.info.run_id if parent is not None else None
+        return tuple(r if r is not None and r.data.tags.get("parent_run") == source else None for r in runs)
+
+    def current_result(self, cell: Any) -> Any | None:
+        """The cell's result run, if it is current (:meth:`current_state`), else None."""
+        return self.current_state(cell)[0]
 
     def done_run(self, run_key: str) -> Any | None:
         """The newest run of ``run_key`` that is a result (``finished`` or ``diverged``), if any."""

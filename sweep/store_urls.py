@@ -6,7 +6,19 @@ literals for MLflow's search filters.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
+
+#: The Optuna storage URL a worker reads (``--storage`` wins): how the driver hands its workers a
+#: URL that may hold a password without writing it into a command line every user can read in ``ps``.
+STORAGE_ENV = "GATED_ATTN_STORAGE"
+_PASSWORD = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)[^\s@/]+(?=@)")
+
+
+def hide_password(text: str) -> str:
+    """``text`` with the password of every URL in it replaced by ``***``
+    (``postgresql+psycopg://user:***@host/db``): what may be printed, written into a table or logged."""
+    return _PASSWORD.sub(r"\g<head>***", text)
 
 
 class TrackingError(RuntimeError):

@@ -26,6 +26,12 @@ VAL_LOSS_ATTR = "val_loss"  # the user attribute of a complete LR-search trial: 
 #: The user attribute of a trial a worker asked for after the other workers had taken the last of
 #: the budget: FAIL without training, and neither an outcome nor a failure (:func:`trial_outcome`).
 SURPLUS_ATTR = "surplus"
+#: The user attribute (its reason) of a trial stopped by Ctrl-C or SIGTERM: FAIL in Optuna, so a
+#: rerun trains another in its place, and like a surplus trial neither an outcome nor a failure.
+STOPPED_ATTR = "stopped"
+#: The study's user attribute that tells it from an earlier study of the same name (deleted, then
+#: made anew): its MLflow parent run is the one tagged with it, not the old study's.
+STUDY_UID_ATTR = "uid"
 ROW_KEY_ATTR = "row_run_key"  # the study's user attribute: run_key of the row's config at the grid's LR
 
 
@@ -74,8 +80,11 @@ def make_storage(url: str, heartbeat_s: int | None = None, max_retry: int = 1) -
 def trial_outcome(t: FrozenTrial) -> str | None:
     """An LR-search trial as :class:`~experiments.names.TrialOutcome` names it: complete, pruned,
     diverged (PRUNED with a ``diverged`` user attribute: the LR was too large) or fail; None for a
-    trial still waiting or running, or one beyond the budget that never ran (``SURPLUS_ATTR``)."""
-    if t.state in (TrialState.RUNNING, TrialState.WAITING) or SURPLUS_ATTR in t.user_attrs:
+    trial still waiting or running, one beyond the budget that never ran (``SURPLUS_ATTR``) or one
+    a signal stopped (``STOPPED_ATTR``)."""
+    if t.state in (TrialState.RUNNING, TrialState.WAITING) or {SURPLUS_ATTR, STOPPED_ATTR} & set(
+        t.user_attrs
+    ):
         return None
     if t.state == TrialState.PRUNED:
         return TrialOutcome.DIVERGED if DIVERGED_ATTR in t.user_attrs else TrialOutcome.PRUNED

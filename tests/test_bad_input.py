@@ -60,3 +60,30 @@ def test_an_unreachable_tracking_store(
     assert err.startswith(f"error: tracking store {uri} ") and reason in err
     assert len(err.splitlines()) == 1
     assert not (tmp_path / "gone").exists() and list(results.iterdir()) == []
+
+
+def test_a_damaged_corpus_is_one_line_naming_the_file_and_trains_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from sweep.grid import load_grid
+
+    text = MICRO.replace(
+        "data: {vocab_size: 512, max_chars_per_source: 200000}",
+        "data: {synthetic: {tokens: 16, triggers: 2, seq_tokens: 33, train_seqs: 200, heldout_seqs: 40}}",
+    )
+    (tmp_path / "micro.yaml").write_text(text)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("GATED_ATTN_CACHE", str(cache))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    data = load_grid(tmp_path / "micro.yaml").cells("tiny")[0].config.data
+    root = C.build_corpus(data, cache, log=lambda _msg: None).root
+    train = root / "train.bin"
+    size = train.stat().st_size
+    train.write_bytes(train.read_bytes()[: size // 2])  # cut short after it was built
+    code, err, results = run_cli(tmp_path, text, capsys)
+    assert code == 1  # the machine's state, not the grid
+    assert err == (
+        f"error: corpus {root}: train.bin is {size // 2:,} bytes, {size:,} when built; "
+        f"delete the folder to rebuild it (rm -r {root})"
+    )
+    assert list(results.iterdir()) == []  # no store, no run: checked before anything is tracked

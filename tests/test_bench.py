@@ -130,7 +130,7 @@ def test_the_suite_builds_into_a_fresh_cache(tmp_path: Path) -> None:
 
     root = task_dir(tmp_path / "new" / "cache")
     assert sorted(p.name for p in root.iterdir()) == [
-        "humaneval.jsonl", "humaneval_exec.py", "mmlu_dev.jsonl", "offline_humaneval.yaml",
+        "checksums.json", "humaneval.jsonl", "humaneval_exec.py", "mmlu_dev.jsonl", "offline_humaneval.yaml",
         "offline_mmlu_dev.yaml", "ready",
     ]  # fmt: skip
     assert not list((tmp_path / "new" / "cache").glob(".bench-build-*"))  # the build folder is gone
@@ -142,6 +142,20 @@ def test_the_suite_builds_into_a_fresh_cache(tmp_path: Path) -> None:
     (tmp_path / "new").rename(tmp_path / "moved")
     moved = task_dir(tmp_path / "moved" / "cache")
     assert str(moved / "mmlu_dev.jsonl") in (moved / "offline_mmlu_dev.yaml").read_text()
+
+
+def test_a_suite_file_changed_after_the_build_is_named_and_not_scored_from(tmp_path: Path) -> None:
+    from sweep.eval.suite import BenchError, task_dir
+
+    root = task_dir(tmp_path / "cache")
+    data = root / "mmlu_dev.jsonl"
+    data.write_text(data.read_text().replace('"answer": 0', '"answer": 1', 1))  # one answer edited
+    with pytest.raises(BenchError) as info:
+        task_dir(tmp_path / "cache")
+    assert str(info.value) == (
+        f"benchmark suite {root}: mmlu_dev.jsonl changed since it was built (another sha256); "
+        f"delete the folder to rebuild it (rm -r {root})"
+    )
 
 
 def test_bigbench_task_json_becomes_multiple_choice(tmp_path: Path) -> None:

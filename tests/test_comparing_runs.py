@@ -6,12 +6,14 @@ experiment so the UI opens on them; a table never mixes runs of different arithm
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pandas as pd
 import pytest
 from mlflow import MlflowClient
 
+from experiments import names as N
 from sweep.browse import main
 from sweep.grid import load_grid
 from tests.conftest import ROOT
@@ -142,3 +144,16 @@ def test_a_table_never_mixes_runs_of_different_cpu_instruction_sets() -> None:
     )
     kept, left_out = one_arithmetic(runs)
     assert list(kept.index) == [0, 1] and list(left_out["arithmetic"]) == [arithmetic(native)]
+
+
+def test_a_side_that_diverged_says_so_with_seed_and_step() -> None:
+    from sweep.report.compare import Side, diverged_note
+
+    runs = pd.DataFrame(
+        {"seed": [0, 1], "status": ["finished", "diverged"], N.DIVERGED_STEP: [math.nan, 13.0]}
+    )
+    note = diverged_note(Side("big_lr", {}, runs))
+    assert (
+        note == "big_lr diverged (s1 at step 13; 1 of 2 run(s)): its metrics are those of the diverged model"
+    )
+    assert diverged_note(Side("ok", {}, runs[runs["status"] == "finished"])) == ""

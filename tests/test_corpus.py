@@ -6,6 +6,7 @@ import hashlib
 import json
 import random
 import re
+import shutil
 import subprocess
 import threading
 import zipfile
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from experiments import corpus as C
+from experiments.checksums import CHECKSUMS
 from experiments.config import DataConfig
 
 WORDS = "the of and to a in that is was he for it with as his on be at by i this had not are but from".split()
@@ -204,6 +206,26 @@ def test_failing_source_names_it_and_leaves_nothing(
     assert [p.name for p in tmp_path.iterdir() if "corpus-" in p.name and not p.name.endswith(".lock")] == []
 
 
+def test_a_full_disk_names_the_corpus_and_the_cause_and_leaves_nothing(
+    fakes: dict[str, Fake], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import experiments.corpus.build as build
+
+    encode = build._encode_docs
+
+    def onto_a_full_disk(tokenizer, docs, split, eos_id, dtype, fh, counts):  # type: ignore[no-untyped-def]
+        with open("/dev/full", "wb", buffering=0) as full:  # every write: ENOSPC
+            return encode(tokenizer, docs, split, eos_id, dtype, full, counts)
+
+    monkeypatch.setattr(build, "_encode_docs", onto_a_full_disk)
+    with pytest.raises(OSError) as info:
+        _build(CFG, tmp_path)
+    final = tmp_path / f"corpus-{C.recipe_hash(CFG)}"
+    assert (info.value.errno, info.value.filename) == (28, str(final))
+    assert info.value.strerror == "cannot build the corpus here (No space left on device)"
+    assert [p.name for p in tmp_path.iterdir() if "corpus-" in p.name and not p.name.endswith(".lock")] == []
+
+
 def test_domain_with_too_few_documents(
     fakes: dict[str, Fake], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -259,6 +281,67 @@ def test_tokens_rejects_bad_split_or_domain(fakes: dict[str, Fake], tmp_path: Pa
     assert np.array_equal(reopened.tokens("val", "law"), corpus.tokens("val", "law"))
     with pytest.raises(C.CorpusError, match="manifest.json"):
         C.Corpus.open(tmp_path / "nothing-here")
+
+
+def _damage(kind: str, root: Path) -> tuple[str, str]:
+    """Damage the built corpus at ``root`` one way; return the file and what the error says."""
+    train = root / "train.bin"
+    size = train.stat().st_size
+    if kind == "cut_in_half":
+        train.write_bytes(train.read_bytes()[: size // 2])
+        return "train.bin", f"is {size // 2:,} bytes, {size:,} when built"
+    if kind == "odd_byte_count":
+        with open(train, "ab") as fh:
+            fh.write(b"\0")
+        return "train.bin", f"is {size + 1:,} bytes, {size:,} when built"
+    if kind == "junk_of_the_same_size":
+        with open(train, "r+b") as fh:
+            fh.seek(size // 3)
+            fh.write(b"\xff\xfe" * 8)
+        return "train.bin", "changed since it was built (another sha256)"
+    if kind == "hand_edited_manifest":
+        manifest = json.loads((root / C.MANIFEST).read_text())
+        manifest["tokens"]["train"]["law"] += 1
+        (root / C.MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        return C.MANIFEST, "changed since it was built (another sha256)"
+    if kind == "file_removed":
+        (root / "val" / "law.bin").unlink()
+        return "val/law.bin", "is missing"
+    raise AssertionError(kind)
+
+
+DAMAGE = ["cut_in_half", "odd_byte_count", "junk_of_the_same_size", "hand_edited_manifest", "file_removed"]
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_a_corpus_damaged_after_its_build_is_named_and_never_opened(
+    kind: str, fakes: dict[str, Fake], tmp_path: Path
+) -> None:
+    root = _build(CFG, tmp_path).root
+    rel, what = _damage(kind, root)
+    with pytest.raises(C.CorpusDamaged) as info:
+        _build(CFG, tmp_path)
+    assert str(info.value) == f"corpus {root}: {rel} {what}; delete the folder to rebuild it (rm -r {root})"
+    shutil.rmtree(root)  # what the message says to do
+    assert _build(CFG, tmp_path).tokens("train").size > 0
+
+
+def test_a_corpus_built_before_the_check_is_stamped_as_found_then_checked(
+    fakes: dict[str, Fake], tmp_path: Path
+) -> None:
+    root = _build(CFG, tmp_path).root
+    recorded = json.loads((root / CHECKSUMS).read_text())
+    assert set(recorded) == {"manifest.json", "tokenizer.json", "train.bin"} | {
+        f"{split}/{d}.bin" for split in ("val", "test") for d in ("code", "fakedomain", "law", "literature")
+    }
+    assert recorded["train.bin"]["bytes"] == (root / "train.bin").stat().st_size
+    assert recorded["train.bin"]["sha256"] == hashlib.sha256((root / "train.bin").read_bytes()).hexdigest()
+    (root / CHECKSUMS).unlink()  # as an older build left it
+    _build(CFG, tmp_path)
+    assert json.loads((root / CHECKSUMS).read_text()) == recorded
+    _damage("cut_in_half", root)
+    with pytest.raises(C.CorpusDamaged, match="train.bin is"):
+        _build(CFG, tmp_path)
 
 
 def test_concurrent_builds_share_one_corpus(fakes: dict[str, Fake], tmp_path: Path) -> None:

@@ -208,6 +208,28 @@ def test_ctrl_c_while_the_report_is_written_changes_no_file_and_a_rerun_complete
     assert set(after) == set(before) and after["micro.md"] != before["micro.md"]
 
 
+def test_a_store_that_refuses_the_report_copies_costs_one_line_not_the_tables(
+    reported: dict, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from sqlalchemy.exc import OperationalError
+
+    from sweep.store import Tracker
+
+    def read_only(self):  # what a read-only SQLite store raises on the first write
+        raise OperationalError("UPDATE runs", {}, Exception("attempt to write a readonly database"))
+
+    results = reported["results"]
+    (results / "micro.md").write_text("the previous report\n")
+    monkeypatch.setattr(Tracker, "report_run", read_only)
+    assert main(["tables", "--grid", str(reported["grid"]), "--results", str(results)]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "warning: the tables are written, but the tracking store refused their copies"
+    )
+    assert "attempt to write a readonly database" in err[0]
+    assert (results / "micro.md").read_text().startswith("# ")  # written all the same
+
+
 def test_a_staging_folder_left_by_a_killed_report_is_removed_by_the_next(reported: dict) -> None:
     from sweep.report.publish import _HOST
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from conftest import ROOT
 from experiments.config import RunConfig
 from sweep.cli import main
 from sweep.grid import GridError, load_grid, run_key
+from sweep.gridfile import MAX_BYTES
 
 GRIDS = sorted((ROOT / "grids").glob("*.yaml"))
 
@@ -197,7 +199,27 @@ def test_run_key_is_stable_and_seed_sensitive(tmp_path: Path) -> None:
 
 
 BAD = {
+    "html_in_a_label": (  # would pass into results/*.md as HTML
+        GOOD + '  - {id: x, label: "<img src=x onerror=alert(1)>"}\n',
+        "row 'x': label: must not hold '<', '>'",
+        None,
+    ),
+    "unpaired_dollar_in_a_title": (
+        GOOD.replace("name: g", "name: g\ntitle: costs $5"),
+        "title: must not hold '$'",
+        None,
+    ),
     "malformed": (GOOD.replace("rows:", "rows: [", 1), "malformed YAML: line", None),
+    "paper_table_of_another_layout": (  # used to train every cell, then crash in the report
+        GOOD.replace("scales:", "paper_table: table5_ruler\nscales:"),
+        "paper_table: sweep/paper/table5_ruler.csv has no 'row' column",
+        None,
+    ),
+    "row_paper_table_of_another_layout": (
+        GOOD + "  - {id: x, paper_table: table5_ruler}\n",
+        "row 'x': paper_table: sweep/paper/table5_ruler.csv has no 'row' column",
+        None,
+    ),
     "unknown_top_key": (GOOD + "colour: red\n", "colour: unknown key", None),
     "unknown_model_key": (
         GOOD + "  - {id: x, model: {n_layer: 3}}\n",
@@ -286,6 +308,62 @@ def test_grid_error_names_file_row_and_path(tmp_path: Path) -> None:
     with pytest.raises(GridError) as err:
         load_grid(path)
     assert (err.value.file, err.value.row, err.value.path) == (str(path), "x", "train.warmup_steps")
+
+
+UNTRAINABLE = [  # (section, key, value): each trained to a failed or meaningless run before
+    ("train", "grad_clip", -1),  # reversed every gradient, recorded "done"
+    ("train", "beta1", 1.5),
+    ("train", "beta2", 1.0),
+    ("train", "weight_decay", -0.1),
+    ("model", "norm_eps", -1),  # recorded as a diverged result
+    ("model", "norm_eps", 0),
+    ("model", "rope_theta", 0),
+    ("model", "rope_theta", 1),
+    ("model", "init_std", -0.02),
+    ("model", "max_seq_len", 0),
+]
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value"), UNTRAINABLE, ids=[f"{k}={v}" for _, k, v in UNTRAINABLE]
+)
+def test_a_value_that_cannot_train_is_refused_at_grid_load(
+    section: str, key: str, value: float, tmp_path: Path
+) -> None:
+    path = write(tmp_path, GOOD + f"  - {{id: x, {section}: {{{key}: {value}}}}}\n")
+    with pytest.raises(GridError) as err:
+        load_grid(path)
+    assert (err.value.file, err.value.row, err.value.path) == (str(path), "x", f"{section}.{key}")
+    assert str(value) in str(err.value)
+
+
+def test_a_grid_path_that_is_not_a_regular_file_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    fifo = tmp_path / "grid.yaml"
+    os.mkfifo(fifo)  # reading it would block until a writer came
+    code = main(["sweep", "--grid", str(fifo), "--results", str(tmp_path / "results")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err == f"error: {fifo}: is not a regular file (a grid is a YAML file)"
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_grid_larger_than_the_bound_is_refused_unread(tmp_path: Path) -> None:
+    path = write(tmp_path, GOOD + "#" * MAX_BYTES + "\n")
+    with pytest.raises(GridError, match=f"is larger than {MAX_BYTES:,} bytes"):
+        load_grid(path)
+
+
+def test_yaml_merge_keys_copy_an_anchored_mapping(tmp_path: Path) -> None:
+    text = GOOD.replace(
+        "  - {id: sdpa, model: {gate: {position: sdpa}}}",
+        "  - {id: sdpa, model: {gate: &g {position: sdpa, activation: silu}}}\n"
+        "  - {id: value, model: {gate: {<<: *g, position: value}}}",
+    )
+    cells = {c.row.id: c for c in load_grid(write(tmp_path, text)).cells("tiny")}
+    gate = cells["value"].config.model.gate
+    assert (gate.position, gate.activation) == ("value", "silu")  # merged, then overridden
 
 
 def test_unknown_row_filter_is_rejected(tmp_path: Path) -> None:

@@ -137,3 +137,28 @@ def test_a_crashed_cell_keeps_its_checkpoint_fails_the_sweep_and_resumes(
     assert f"resuming run {failed.info.run_id} (failed) from step000020.ckpt" in out
     assert "finished 0, resumed 1, skipped 2, diverged 0, failed 0" in out
     assert_same_training(results, uninterrupted["results"])
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_placement_is_refused_in_one_line(
+    uninterrupted: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    results = tmp_path / "results"
+    proc = start_slow_cli(sweep_args(uninterrupted["grid"], results))
+    wait_for_checkpoint(results, 5, [proc])
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=120)
+    (killed,) = cell_runs(results)
+    moved = tmp_path / "micro.yaml"  # the same cells (placement is not in the run key), split in two
+    moved.write_text(LONG_MICRO.replace("checkpoint_every: 5}", "checkpoint_every: 5, grad_accum: 2}"))
+    use_repo_cache(monkeypatch)
+    capsys.readouterr()
+    assert main(sweep_args(moved, results)) == 1
+    out = capsys.readouterr().out
+    run_id = killed.info.run_id
+    assert (
+        f"{ROW} s0 FAILED: its unfinished run {run_id} trained with another placement "
+        "(train.grad_accum 1 -> 2), and resuming it so would change its numbers" in out
+    )
+    (run,) = cell_runs(results)  # untouched: still the killed run, nothing logged after its stop
+    assert run.data.tags["status"] == "killed" and run.data.metrics == killed.data.metrics

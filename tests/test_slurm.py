@@ -36,7 +36,7 @@ def preempt(how: str, job: int, worker: int) -> None:
     """``usr2``: submitit's signal (a time limit, or a cluster's pre-emption notice) to the job.
     ``sigterm``: SLURM's pre-emption or ``scancel``, SIGTERM to every process of the job, SIGKILL
     to any left after a grace time."""
-    if how == "usr2":
+    if how.startswith("usr2"):
         os.kill(job, signal.SIGUSR2)
         return
     procs = [psutil.Process(job), psutil.Process(worker)]
@@ -47,7 +47,7 @@ def preempt(how: str, job: int, worker: int) -> None:
         p.kill()
 
 
-@pytest.mark.parametrize("how", ["usr2", "sigterm"])
+@pytest.mark.parametrize("how", ["usr2", "usr2_to_job_id", "sigterm"])
 def test_two_jobs_drain_four_cells_and_a_preempted_jobs_cell_resumes_trained_once(
     repo_cache: None, tmp_path: Path, how: str
 ) -> None:
@@ -68,7 +68,7 @@ def test_two_jobs_drain_four_cells_and_a_preempted_jobs_cell_resumes_trained_onc
     worker += [str(results), "--storage", url, "--heartbeat", "1", "--seeds", "2", "--rows", ",".join(ROWS)]
     settings = ClusterSettings("submitit-local", tmp_path / "jobs", gpus_per_worker=0, time_limit_min=30)
     launcher, lines, stop = SubmititLauncher(settings, poll_s=0.5), [], StopRequest()
-    driver = threading.Thread(target=launcher, args=(worker, 2, stop, lines.append))
+    driver = threading.Thread(target=launcher, args=(worker, 2, stop, lines.append, {}))
     started = time.monotonic()
     driver.start()
     try:
@@ -80,7 +80,9 @@ def test_two_jobs_drain_four_cells_and_a_preempted_jobs_cell_resumes_trained_onc
         pid = int(run.data.tags["worker"].rsplit(":", 1)[1])
         job_process = psutil.Process(pid).parent()  # the submitit task that runs this worker
         (victim,) = [j for j in jobs if job_process.ppid() == j._process.pid]
-        preempt(how, job_process.pid, pid)
+        # usr2_to_job_id: to the job id the driver prints (submitit-local's controller, whose
+        # default action kills it and leaves its task); usr2: to the job's task, as SLURM does
+        preempt(how, job_process.ppid() if how == "usr2_to_job_id" else job_process.pid, pid)
         driver.join(timeout=600)
         assert not driver.is_alive(), "the jobs did not end within 10 minutes"
     finally:
@@ -90,7 +92,10 @@ def test_two_jobs_drain_four_cells_and_a_preempted_jobs_cell_resumes_trained_onc
     print(f"4 cells, 2 jobs, one pre-empted: {time.monotonic() - started:.0f} s")
 
     assert lines[0].startswith("submitted 2 submitit-local jobs")
-    assert len(lines) == 1  # no job ended badly
+    if how == "usr2_to_job_id":  # the controller died of it: said, and its worker left saved
+        assert lines[1:] == [f"job {victim.job_id} ended INTERRUPTED; its log: {victim.paths.stdout}"]
+    else:
+        assert len(lines) == 1  # no job ended badly
     log = victim.paths.stdout.read_text() + victim.paths.stderr.read_text()
     if how == "usr2":
         assert "pre-emption or time limit: stopping the worker" in log

@@ -187,3 +187,34 @@ def test_queue_workers_train_each_stage_after_its_parent(tmp_path: Path, repo_ca
         (parent,), (stage,) = runs_of(results, parent_row), runs_of(results, stage_row)
         assert stage.data.tags["parent_run"] == parent.info.run_id
         assert stage.info.start_time >= parent.info.end_time  # never popped while its parent trained
+
+
+@pytest.mark.slow
+def test_a_stage_trains_again_once_its_parent_retrained_or_was_deleted(
+    tmp_path: Path, repo_cache: None, capsys: pytest.CaptureFixture
+) -> None:
+    import pandas as pd
+
+    grid, results = write(tmp_path, STAGED), tmp_path / "r"
+    sweep = ["sweep", "--grid", str(grid), "--results", str(results), "--rows"]
+    assert main([*sweep, "baseline_long"]) == 0
+    (old_stage,) = runs_of(results, "baseline_long")
+
+    def current(row: str) -> object:
+        runs = [r for r in runs_of(results, row) if r.data.tags["status"] == "finished"]
+        return max(runs, key=lambda r: r.info.start_time)
+
+    assert main([*sweep, "baseline", "--force"]) == 0  # the parent retrained: the stage is stale
+    table = pd.read_csv(results / "micro.csv").set_index("id")
+    assert pd.isna(table.loc["baseline_long", "avg_ppl"])  # no longer shown as current
+    capsys.readouterr()
+    assert main([*sweep, "baseline_long"]) == 0
+    assert "finished 1, resumed 0, skipped 1" in capsys.readouterr().out  # the stage, not the parent
+    assert current("baseline_long").data.tags["parent_run"] == current("baseline").info.run_id
+    assert current("baseline_long").info.run_id != old_stage.info.run_id
+
+    client_for(results).delete_run(current("baseline").info.run_id)  # as in the MLflow UI
+    capsys.readouterr()
+    assert main([*sweep, "baseline_long"]) == 0
+    assert "finished 2, resumed 0, skipped 0" in capsys.readouterr().out  # both train again
+    assert current("baseline_long").data.tags["parent_run"] == current("baseline").info.run_id

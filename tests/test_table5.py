@@ -173,3 +173,25 @@ def test_ruler_tasks_without_the_extra_warn_and_leave_the_other_scores(table5: d
     lines: list[str] = []
     assert score_missing_long_context(tracker, grid, grid.cells("tiny"), out=lines.append) == (0, 0)
     assert len(lines) == 1 and "longctx.ruler_tasks not scored" in lines[0] and ".[ruler]" in lines[0]
+
+
+def test_tables_of_table5_on_an_empty_store_say_no_run_has_scores(tmp_path: Path) -> None:
+    grid = Path(__file__).parent.parent / "grids" / "table5.yaml"
+    assert main(["tables", "--grid", str(grid), "--results", str(tmp_path)]) == 0
+    text = (tmp_path / "table5.md").read_text()
+    assert "No run of this grid at scale `tiny` has long-context scores yet" in text
+    frame = pd.read_csv(tmp_path / "table5.csv")
+    assert frame.empty and list(frame.columns)[:5] == ["row", "label", "task", "length", "yarn"]
+
+
+def test_a_sweep_of_table5s_first_stage_alone_ends_with_its_summary(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    for run in swept(tmp_path, TABLE5, "--rows", "baseline"):  # no stage-2 row: no long-context score
+        assert run["code"] == 0
+        out = capsys.readouterr().out
+        assert "sweep finished in" in out and "finished 1, resumed 0, skipped 0" in out
+        assert (
+            "No run of this grid at scale `tiny` has long-context scores yet"
+            in (run["results"] / "micro.md").read_text()
+        )

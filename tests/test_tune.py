@@ -20,7 +20,7 @@ import sweep.studies
 from experiments.lit import LMModule
 from sweep.cli import main
 from sweep.grid import load_grid
-from sweep.run import tune
+from sweep.run import search, tune
 from sweep.run.tune import StepPruningCallback, study_name, tune_row
 from sweep.store import Tracker, tracking_uri
 from sweep.studies import make_storage, storage_url
@@ -147,7 +147,7 @@ def test_a_worker_that_asks_for_a_trial_beyond_the_budget_stops_without_training
     surplus = study.get_trials()[-1]
     assert (surplus.number, surplus.state, surplus.user_attrs) == (4, TrialState.FAIL, {"surplus": True})
     assert f"[{study.study_name} #4] not run: the other workers took the last of the 4 trials" in lines
-    assert tune.unretried_failures(study) == [] and running.number == 3
+    assert search.unretried_failures(study) == [] and running.number == 3
     client = MlflowClient(tracking_uri=f"sqlite:///{setup['results'] / 'mlflow.db'}")
     exp = client.get_experiment_by_name("micro-tiny-lr")
     assert client.search_runs([exp.experiment_id], "tags.kind = 'trial'") == []  # nothing trained
@@ -191,7 +191,7 @@ def test_a_dead_workers_trial_is_failed_and_retried(setup: dict, monkeypatch: py
     assert first.state == TrialState.FAIL  # no longer left RUNNING
     assert retry.state == TrialState.COMPLETE and retry.params == first.params
     assert retry.system_attrs["failed_trial"] == first.number
-    assert tune.unretried_failures(study) == []  # retried, so the command would still exit 0
+    assert search.unretried_failures(study) == []  # retried, so the command would still exit 0
 
 
 class _Always:
@@ -235,3 +235,56 @@ def test_a_ladder_rerun_trains_only_missing_rungs_and_rejects_another_ladder() -
     assert tune._unvisited(study, [2e-3, 4e-3, 8e-3]) == [4e-3, 8e-3]  # a failed rung is run again
     with pytest.raises(ValueError, match="another ladder"):
         tune._unvisited(study, [1e-3, 8e-3])
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_an_lr_search_fails_the_trial_cleanly_and_a_rerun_completes_the_budget(setup: dict) -> None:
+    import signal
+
+    from conftest import start_slow_cli, wait_for_checkpoint
+
+    setup["path"].write_text(
+        TUNE.replace("max_steps: 8,", "max_steps: 40,").replace(
+            "min_lr: 1e-6}", "min_lr: 1e-6, checkpoint_every: 5}"
+        )
+    )
+    results = setup["results"]
+    args = ["tune", "--grid", str(setup["path"]), "--results", str(results), "--trials", "2"]
+    proc = start_slow_cli(args)
+    wait_for_checkpoint(results, 5, [proc])
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert out.strip().splitlines()[-1] == (
+        "tune interrupted: the running trial stopped and does not count; "
+        "run the same command again to complete the budget"
+    )
+    grid = load_grid(setup["path"])
+    name = study_name(grid, "tiny", grid.rows[0])
+    study = optuna.load_study(study_name=name, storage=storage_url(results, None))
+    assert [t.state for t in study.trials] == [TrialState.FAIL]  # not left RUNNING
+    run = MlflowClient(tracking_uri(results)).get_run(study.trials[0].user_attrs["mlflow_run_id"])
+    assert (run.info.status, run.data.tags["status"]) == ("KILLED", "killed")
+    assert main(args) == 0  # the rerun, at once: no stale RUNNING trial holds the budget
+    states = [t.state for t in optuna.load_study(study_name=name, storage=storage_url(results, None)).trials]
+    assert states.count(TrialState.COMPLETE) + states.count(TrialState.PRUNED) == 2
+
+
+def test_a_study_made_anew_under_an_old_name_gets_a_parent_run_of_its_own(setup: dict) -> None:
+    grid, row, results = setup["grid"], setup["row"], setup["results"]
+    studies = []
+    for _ in range(2):  # the second after the first was deleted, as the config-change error says to
+        study = tune_row(grid, "tiny", row, 1, results, out=lambda _: None)
+        studies.append((study.user_attrs["uid"], study.trials[0].user_attrs["mlflow_run_id"]))
+        optuna.delete_study(study_name=study.study_name, storage=storage_url(results, None))
+    assert studies[0][0] != studies[1][0]  # (SQLite gives the new study the old one's id)
+    client = MlflowClient(tracking_uri=tracking_uri(results))
+    exp = client.get_experiment_by_name("micro-tiny-lr")
+    parents = {
+        p.data.tags["optuna_study_uid"]: p
+        for p in client.search_runs([exp.experiment_id], "tags.kind = 'study'")
+    }
+    assert sorted(parents) == sorted(uid for uid, _ in studies)
+    for uid, trial_run in studies:
+        query = f"tags.mlflow.parentRunId = '{parents[uid].info.run_id}'"
+        assert [c.info.run_id for c in client.search_runs([exp.experiment_id], query)] == [trial_run]

@@ -4,7 +4,8 @@ A corpus is fully determined by its :class:`~experiments.config.DataConfig` (the
 into ``<cache_root>/corpus-<recipe_hash>/`` and reused afterwards::
 
     corpus-<hash>/
-        manifest.json        provenance, splits (doc ids), token counts; written last
+        manifest.json        provenance, splits (doc ids), token counts
+        checksums.json       size and sha256 of every file, checked at every open; written last
         tokenizer.json       HF ``tokenizers`` byte-level BPE, "<|endoftext|>" = id 0
         train.bin            all domains, sorted domain order, each document followed by eos
         val/<domain>.bin     one file per domain
@@ -24,6 +25,7 @@ from experiments.corpus.reader import (
     SPLITS,
     TOKENIZER_FILE,
     Corpus,
+    CorpusDamaged,
     CorpusError,
     default_cache_root,
 )
@@ -31,5 +33,5 @@ from experiments.corpus.sources import Source
 
 __all__ = [
     "CORPUS_FORMAT_VERSION", "EOS", "MANIFEST", "SPLITS", "TOKENIZER_FILE", "Corpus",
-    "CorpusError", "Source", "build_corpus", "default_cache_root", "recipe_hash", "sources",
+    "CorpusDamaged", "CorpusError", "Source", "build_corpus", "default_cache_root", "recipe_hash", "sources",
 ]  # fmt: skip

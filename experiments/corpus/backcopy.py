@@ -117,7 +117,7 @@ def write_corpus(data: DataConfig, digest: str, out: Path, log: Callable[[str], 
             files[split][DOMAIN] = rel
             (out / split).mkdir()
         seqs = generate(cfg, n, split)
-        seqs.tofile(out / rel)
+        (out / rel).write_bytes(seqs.tobytes())  # not tofile: a full disk then says so
         totals[split] = {DOMAIN: int(seqs.size)}
     manifest = {
         **manifest_header(to_dict(data), digest),

@@ -22,6 +22,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import experiments.corpus.backcopy as backcopy
 import experiments.corpus.sources as sources
+from experiments.checksums import verify, write_checksums
 from experiments.config import DataConfig, identity_dict, to_dict
 from experiments.corpus.reader import (
     CORPUS_FORMAT_VERSION,
@@ -30,6 +31,7 @@ from experiments.corpus.reader import (
     SPLITS,
     TOKENIZER_FILE,
     Corpus,
+    CorpusDamaged,
     CorpusError,
     default_cache_root,
     manifest_header,
@@ -89,16 +91,18 @@ def build_corpus(
     Raises:
         CorpusError: a source could not be fetched or read, yielded no documents or a duplicate doc id,
             or a domain has fewer than 3 documents (one per split).
+        CorpusDamaged: the corpus was built before and a file of it changed since (a subclass).
+        OSError: the cache could not be written (a full disk); its filename is the corpus folder.
     """
     cache_root = Path(cache_root) if cache_root is not None else default_cache_root()
     digest = recipe_hash(cfg)
     final = cache_root / f"corpus-{digest}"
     if (final / MANIFEST).is_file():
-        return Corpus.open(final)
+        return open_checked(final)
     cache_root.mkdir(parents=True, exist_ok=True)
     with _exclusive(cache_root / f".corpus-{digest}.lock"):
         if (final / MANIFEST).is_file():  # a rival built it while we waited
-            return Corpus.open(final)
+            return open_checked(final)
         for stale in cache_root.glob(f".corpus-{digest}.tmp-*"):  # debris of killed builds; we hold the lock
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".corpus-{digest}.tmp-", dir=cache_root))
@@ -108,10 +112,30 @@ def build_corpus(
                 backcopy.write_corpus(cfg, digest, tmp, log)
             else:
                 _build(cfg, digest, tmp, cache_root / "downloads", log)
+            write_checksums(tmp)
             _publish(tmp, final)
+        except OSError as err:  # the machine (a full disk, say): name the corpus and the cause
+            cause = err.strerror or str(err)
+            raise OSError(err.errno, f"cannot build the corpus here ({cause})", str(final)) from err
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return Corpus.open(final)
+    return open_checked(final)
+
+
+def open_checked(root: Path) -> Corpus:
+    """Open a built corpus after checking its files against the checksums of its build.
+
+    Raises:
+        CorpusDamaged: a file differs from what was built (``experiments.checksums``).
+        CorpusError: no readable manifest, or another format.
+    """
+    verify(root, [MANIFEST], error=CorpusDamaged)
+    corpus = Corpus.open(root)
+    files = corpus.manifest["files"]
+    token_files = [files["train"], *files["val"].values(), *files["test"].values()]
+    tokenizer = [f for f in (corpus.manifest["tokenizer"]["file"],) if f]
+    verify(root, token_files + tokenizer, error=CorpusDamaged)
+    return corpus
 
 
 @contextlib.contextmanager
@@ -296,8 +320,8 @@ def _encode_docs(
         encodings = tokenizer.encode_batch_fast([doc.text for doc in batch], add_special_tokens=False)
         for doc, enc in zip(batch, encodings):
             ids = np.asarray(enc.ids, dtype=dtype)
-            ids.tofile(fh)
-            eos.tofile(fh)
+            fh.write(ids.tobytes())  # not ndarray.tofile: its full-disk error has no errno, no cause
+            fh.write(eos.tobytes())
             counts[(doc.source, split)] = counts.get((doc.source, split), 0) + len(ids) + 1
             total += len(ids) + 1
     return total

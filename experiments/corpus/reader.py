@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
+from experiments.checksums import Damaged
+
 CORPUS_FORMAT_VERSION = 1
 """Bump whenever the build code changes what it writes (extraction, cleaning, splits, file layout, pins)."""
 
@@ -35,6 +37,11 @@ def manifest_header(recipe: dict[str, Any], digest: str) -> dict[str, Any]:
 
 class CorpusError(RuntimeError):
     """A corpus could not be built or opened; the one-line message names the source (or root) and why."""
+
+
+class CorpusDamaged(CorpusError, Damaged):
+    """A file of a built corpus differs from what was built (``experiments.checksums``): the
+    machine's state, not the grid's input."""
 
 
 def default_cache_root() -> Path:

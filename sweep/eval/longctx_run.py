@@ -137,7 +137,7 @@ def score_missing_long_context(
             spec = dataclasses.replace(spec, ruler_tasks=())
     todo: dict[str, tuple[Cell, Any]] = {}
     for cell in cells if spec is not None else ():
-        run = tracker.done_run(cell.run_key)
+        run = tracker.current_result(cell)
         if spec.scores(cell.row.id) and run is not None and run.data.tags.get("status") == Status.FINISHED:
             if run.data.tags.get(SCORED_TAG) != "scored":
                 todo.setdefault(run.info.run_id, (cell, run))

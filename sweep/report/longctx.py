@@ -80,6 +80,13 @@ def paper_figure(paper: pd.DataFrame | None, label: str, yarn: bool, ratio: floa
     return float(paper.loc[method, column])
 
 
+#: The columns of :func:`build_longctx_table`'s frame, in order.
+TABLE_COLUMNS = [
+    "row", "label", "task", "length", "yarn", "ratio", "mean", "std", "n", "yarn_change", "yarn_change_low",
+    "yarn_change_high", "gap", "gap_low", "gap_high", "compare_to", "compare_label", "paper",
+]  # fmt: skip
+
+
 def build_longctx_table(
     grid: Grid, scale: str, scores: pd.DataFrame, paper: pd.DataFrame | None
 ) -> pd.DataFrame:
@@ -116,7 +123,7 @@ def build_longctx_table(
             paper_figure(paper, row.label, yarn, line["ratio"]) if task in ("passkey",) else math.nan
         )
         lines.append(line)
-    return pd.DataFrame(lines)
+    return pd.DataFrame(lines, columns=TABLE_COLUMNS)  # the columns even with no scores yet
 
 
 def _cell(line: pd.Series, digits: int) -> str:
@@ -183,6 +190,11 @@ def longctx_markdown(grid: Grid, scale: str, table: pd.DataFrame, command: str, 
         f"Scale `{scale}`, grid `{grid.file}`, {seeds} seed(s) per row at most. "
         f"Written by `{command}` from the MLflow store. {provenance}Columns: evaluation length in tokens.\n",
     ]
+    if table.empty:
+        out.append(
+            f"No run of this grid at scale `{scale}` has long-context scores yet: "
+            f"`make sweep GRID={grid.file}` trains and scores them, `make eval` scores finished runs.\n"
+        )
     for task in tasks_of(table.rename(columns={"mean": "value"})):
         out.append(f"## {task}\n\n{TASK_NOTES.get(task, _other_note(task))}.\n")
         out.append(markdown_table(task_block(table, task)) + "\n")

@@ -49,11 +49,25 @@ def current_runs(grid: Grid, scale: str, runs: list, seeds: list[int] | None = N
             continue
         seen.add(key)
         current += [(r, row, seed) for row, seed in cells[key]]
+    current = _trained_from_current_parents(grid, current)
     return runs_frame([r for r, _, _ in current]).assign(
         row=[row.id for _, row, _ in current],
         label=[row.label for _, row, _ in current],
         seed=[seed for _, _, seed in current],
     )
+
+
+def _trained_from_current_parents(grid: Grid, current: list) -> list:
+    """``current`` ((run, row, seed) lines) without the later stages whose run started from
+    another run than their parent's current one (the parent retrained, or deleted and retrained):
+    such a stage is stale until it trains again (``sweep.store.Tracker.current_state``)."""
+    order = {row.id: i for i, row in enumerate(grid.rows)}  # a parent is an earlier row
+    kept: dict[tuple[str, int], object] = {}
+    for r, row, seed in sorted(current, key=lambda line: order[line[1].id]):
+        parent = kept.get((row.parent, seed))
+        if row.parent is None or (parent is not None and r.data.tags.get("parent_run") == parent.info.run_id):
+            kept[(row.id, seed)] = r
+    return [(r, row, seed) for r, row, seed in current if (row.id, seed) in kept]
 
 
 def _key(grid: Grid, scale: str, row: Row, seed: int) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -75,9 +76,7 @@ def write_tables(
         paths["manifest"] = stage_manifest(
             staging, paths["md"], command, [*paths.values(), *figures.values()], runs
         )
-    report = tracker.report_run()
-    tracker.log_files(report, list(paths.values()), "tables")
-    tracker.log_files(report, list(figures.values()), "figures")
+    store_copies(tracker, paths, figures)
     return {**paths, **figures}
 
 
@@ -107,10 +106,26 @@ def write_longctx_tables(
         paths["manifest"] = stage_manifest(
             staging, paths["md"], command, [*paths.values(), *figures.values()], runs
         )
-    report = tracker.report_run()
-    tracker.log_files(report, list(paths.values()), "tables")
-    tracker.log_files(report, list(figures.values()), "figures")
+    store_copies(tracker, paths, figures)
     return {**paths, **figures}
+
+
+def store_copies(tracker: Tracker, paths: dict[str, Path], figures: dict[str, Path]) -> None:
+    """Upload the written files to the experiment's ``report`` run. A store that refuses (read
+    only, gone away) costs the copies, not the files already written: one warning line."""
+    from mlflow.exceptions import MlflowException
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        report = tracker.report_run()
+        tracker.log_files(report, list(paths.values()), "tables")
+        tracker.log_files(report, list(figures.values()), "figures")
+    except (MlflowException, SQLAlchemyError, OSError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        print(
+            f"warning: the tables are written, but the tracking store refused their copies ({first})",
+            file=sys.stderr,
+        )
 
 
 def paper_by_method(name: str | None) -> pd.DataFrame | None:

@@ -1,7 +1,11 @@
-"""Which machines a grid's cells may train on here: the sweep's check before anything starts."""
+"""Which machines a grid's cells may train on here: the sweep's check before anything starts, and
+whether an unfinished run may resume with the placement a cell has now."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from experiments.config import TrainConfig
 from sweep.grid import Cell, Grid
 from sweep.gridfile import GridError
 
@@ -40,3 +44,24 @@ def check_runnable(grid: Grid, cells: list[Cell], nodes: int | None = 1) -> None
             field = "train.num_nodes"
         if why is not None:
             raise GridError(grid.file, why, cell.row.id, field)
+
+
+def placement_change(run: Any, cell: Cell) -> str:
+    """Why the unfinished ``run`` cannot resume with the ``cell``'s placement (``TrainConfig.PLACEMENT``:
+    devices, nodes, strategy, micro-batches), or "" when it has the same. Another split of the
+    batch sums in another order and replays its steps differently, so the resumed cell would end
+    with other numbers than one that never stopped."""
+    params, train = run.data.params, cell.config.train
+    moved = [
+        f"train.{key} {params[f'train.{key}']} -> {getattr(train, key)}"
+        for key in TrainConfig.PLACEMENT
+        if f"train.{key}" in params and params[f"train.{key}"] != str(getattr(train, key))
+    ]
+    if not moved:
+        return ""
+    run_id = run.info.run_id
+    return (
+        f"its unfinished run {run_id} trained with another placement ({', '.join(moved)}), and resuming "
+        f"it so would change its numbers; resume it with the placement it had, or delete run {run_id} "
+        f"(mlflow runs delete --run-id {run_id}) to train the cell anew"
+    )

@@ -48,6 +48,7 @@ from sweep.run.nodes import leading
 from sweep.run.progress import SweepClock
 from sweep.run.resume import Heartbeat, worker_name
 from sweep.run.runner import CellResult, SweepContext, prepare_sweep, run_cell
+from sweep.store_urls import STORAGE_ENV, hide_password
 from sweep.studies import make_storage
 
 POLL_S = 2.0  # how often an idle worker looks for work or for a dead worker's cell
@@ -103,7 +104,7 @@ def enqueue_cells(queue: Queue, cells: list[Cell], ctx: SweepContext, force: boo
         in_flight[key] = min(t.number, in_flight.get(key, t.number))
     wanted: dict[str, int] = {}
     for cell in cells:
-        if cell.run_key in wanted or (not force and ctx.tracker.done_run(cell.run_key) is not None):
+        if cell.run_key in wanted or (not force and ctx.tracker.current_result(cell) is not None):
             continue
         wanted[cell.run_key] = in_flight.get(cell.run_key, first_new)
         if cell.run_key not in in_flight:
@@ -264,21 +265,22 @@ def run_queued_sweep(
     out(
         f"sweep {grid.name} at scale {cells[0].scale}: {len(cells)} cells, {len(wanted)} queued for "
         f"{workers} workers, {unique - len(wanted)} finished earlier; "
-        f"queue {queue_name(cells[0].scale)} in {url}"
+        f"queue {queue_name(cells[0].scale)} in {hide_password(url)}"
     )
     command = [sys.executable, "-m", "sweep.cli", "worker", *worker_args]  # each pins its threads
     count = workers if wanted and stop.signum is None else 0
-    own = (launch or start_processes)(command, count, stop, out) if count else set()
+    env = {STORAGE_ENV: url}  # not in the command line, which every user of the machine can read
+    own = (launch or start_processes)(command, count, stop, out, env) if count else set()
     return queue_outcomes(queue, cells, wanted, ctx, own)
 
 
 def start_processes(
-    command: list[str], count: int, stop: StopRequest, out: Callable[[str], None]
+    command: list[str], count: int, stop: StopRequest, out: Callable[[str], None], env: dict[str, str]
 ) -> set[str]:
-    """Run ``count`` worker processes of ``command`` on this machine until each has left;
-    forward SIGTERM to them once the driver got a signal (Ctrl-C reaches them by itself).
-    Returns their names (``host:pid``)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # progress lines as they come, into a log file too
+    """Run ``count`` worker processes of ``command`` on this machine, with ``env`` added to their
+    environment, until each has left; forward SIGTERM to them once the driver got a signal (Ctrl-C
+    reaches them by itself). Returns their names (``host:pid``)."""
+    env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}  # progress lines as they come, into a log file too
     procs = [subprocess.Popen(command, env=env) for _ in range(count)]
     forwarded = False
     while any(p.poll() is None for p in procs):
@@ -325,7 +327,7 @@ def queue_outcomes(
                 outcomes.append(CellResult(cell, Outcome.SKIPPED, note=note))
             else:
                 outcomes.append(CellResult(cell, outcome, note=t.user_attrs.get("note", "")))
-        elif ctx.tracker.done_run(cell.run_key) is not None:
+        elif ctx.tracker.current_result(cell) is not None:
             outcomes.append(CellResult(cell, Outcome.SKIPPED, note="finished by another sweep"))
         elif ctx.stop.signum is not None:
             outcomes.append(CellResult(cell, Outcome.NOT_STARTED, note="the sweep was interrupted"))

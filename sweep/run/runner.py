@@ -19,7 +19,7 @@ from experiments.stability import Diverged
 from sweep.grid import Cell, Grid
 from sweep.run.cell import checkpoint_dir, train_cell
 from sweep.run.interrupt import Interrupted, StopOnRequest, StopRequest
-from sweep.run.placement import check_runnable
+from sweep.run.placement import check_runnable, placement_change
 from sweep.run.progress import ProgressPrinter, SweepClock
 from sweep.run.quiet import CELL_THREADS, pin_threads, quiet_lightning  # noqa: F401 (re-exported)
 from sweep.run.resume import (
@@ -189,7 +189,7 @@ def run_cell(
     tracker, out = ctx.tracker, ctx.out
     tracker.ensure_active()
     with claim_lock(tracker.uri):  # two sweeps on one SQLite store never both claim the cell
-        done, unfinished = tracker.cell_state(cell.run_key)
+        done, unfinished = tracker.current_state(cell)
         if done is not None and not force:
             return CellResult(cell, Outcome.SKIPPED, note=f"{done.data.tags['status']} earlier")
         if unfinished is not None and (owner := live_owner(unfinished, STALE_BEATS * ctx.heartbeat_s)):
@@ -203,6 +203,9 @@ def run_cell(
                 status = unfinished.data.tags["status"]
                 out(f"{prefix} skipped: {status} by its owner just now (run {unfinished.info.run_id})")
                 return CellResult(cell, Outcome.SKIPPED, note=f"{status} earlier")
+        if unfinished is not None and (moved := placement_change(unfinished, cell)):
+            out(f"{prefix} FAILED: {moved}")
+            return CellResult(cell, Outcome.FAILED, note=moved)
         stage = parent_stage(cell, tracker, ctx.results_dir) if cell.parent is not None else None
         if isinstance(stage, str):
             out(f"{prefix} FAILED: {stage}; it trains once the parent has finished")
@@ -335,7 +338,7 @@ def run_sweep(
     for cell in cells:
         first.setdefault(cell.run_key, cell)
     unique = list(first.values())
-    todo = [c for c in unique if force or ctx.tracker.done_run(c.run_key) is None]
+    todo = [c for c in unique if force or ctx.tracker.current_result(c) is None]
     out(
         f"sweep {grid.name} at scale {cells[0].scale}: {len(cells)} cells, {len(todo)} to train, "
         f"{len(unique) - len(todo)} finished earlier; tracking {ctx.tracker.uri}"

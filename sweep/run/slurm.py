@@ -33,6 +33,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from experiments.distributed import die_with_parent
 from sweep.run.nodes import NODES_ENV, NodeGroup, follow, store_port
 
 if TYPE_CHECKING:  # lightning loads with it; the CLI's parser imports this module
@@ -115,10 +116,17 @@ def job_nodes() -> tuple[NodeGroup | None, int]:
     return NodeGroup(job.num_tasks, addr, store_port(job.job_id)), job.global_rank
 
 
-def _ignore_submitit_signal() -> None:
-    """In the worker: SLURM may send submitit's SIGUSR2 to every process of the job, and its
-    default action would kill the worker unsaved; the job stops the worker with SIGTERM instead."""
-    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+def _worker_preexec(job: int) -> Callable[[], None]:
+    """In the worker, before it starts: SLURM may send submitit's SIGUSR2 to every process of the
+    job, and its default action would kill the worker unsaved, so it is ignored (the job stops the
+    worker with SIGTERM instead); and a SIGTERM comes when the job's process ``job`` dies, so the
+    worker saves its cell and leaves instead of training on orphaned."""
+
+    def preexec() -> None:
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+        die_with_parent(job, signal.SIGTERM)
+
+    return preexec
 
 
 @dataclass
@@ -135,6 +143,9 @@ class WorkerJob:
 
     def __call__(self) -> int:
         global _worker
+        # submitit-local's pre-emption signal (SIGUSR2) to the job id kills the job's controller,
+        # our parent, and nothing else: hear of it as a SIGTERM, which stops the worker saved.
+        die_with_parent(os.getppid(), signal.SIGTERM)
         group, node_rank = job_nodes()
         if group is not None and node_rank > 0:  # the ranks start here: the worker's place and env
             os.chdir(self.cwd)
@@ -143,7 +154,8 @@ class WorkerJob:
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
         if group is not None:
             env[NODES_ENV] = group.to_env()
-        _worker = subprocess.Popen(self.command, cwd=self.cwd, env=env, preexec_fn=_ignore_submitit_signal)
+        preexec = _worker_preexec(os.getpid())
+        _worker = subprocess.Popen(self.command, cwd=self.cwd, env=env, preexec_fn=preexec)
         previous = {sig: signal.signal(sig, self._stop) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             code = _wait_for_worker()
@@ -192,12 +204,18 @@ class SubmititLauncher:
         self.jobs: list[Any] = []
 
     def __call__(
-        self, command: list[str], count: int, stop: StopRequest, out: Callable[[str], None]
+        self,
+        command: list[str],
+        count: int,
+        stop: StopRequest,
+        out: Callable[[str], None],
+        env: dict[str, str],
     ) -> set[str] | None:
-        """Submit ``count`` jobs of ``command`` and wait until every one has ended. A signal to the
-        driver cancels them (each worker saves its cell). Returns None: the workers' names
-        (host:pid) are the cluster's, so every outcome in the queue counts for this sweep."""
-        carried = {k: os.environ[k] for k in CARRIED_ENV if k in os.environ}
+        """Submit ``count`` jobs of ``command`` (their workers get ``env`` added to the environment)
+        and wait until every one has ended. A signal to the driver cancels them (each worker saves
+        its cell). Returns None: the workers' names (host:pid) are the cluster's, so every outcome
+        in the queue counts for this sweep."""
+        carried = {**{k: os.environ[k] for k in CARRIED_ENV if k in os.environ}, **env}
         job = WorkerJob(command, os.getcwd(), carried)
         self.jobs = [self.executor.submit(job) for _ in range(count)]
         ids = ", ".join(str(j.job_id) for j in self.jobs)

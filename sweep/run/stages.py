@@ -25,7 +25,7 @@ def parent_stage(cell: Cell, tracker: Tracker, results_dir: Path) -> Stage | str
     """The parent's finished weights and the tags that link the stage's run to the parent's;
     or, when the parent has none to give, a note saying why (the cell cannot train yet)."""
     parent = cell.parent
-    done = tracker.done_run(parent.run_key)
+    done = tracker.current_result(parent)
     name = f"row {parent.row.id} s{parent.seed}"
     if done is None:
         return f"its parent {name} has no finished run"

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import uuid
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -40,13 +41,17 @@ from experiments.names import Kind, Status, TrialOutcome
 from experiments.stability import Diverged
 from sweep.grid import Cell, Grid, Row, run_key
 from sweep.run.cell import checkpoint_dir, train_cell
+from sweep.run.interrupt import Interrupted, StopOnRequest, StopRequest
 from sweep.run.progress import ProgressPrinter, SweepClock
 from sweep.run.runner import pin_threads, quiet_lightning
 from sweep.run.sysmetrics import system_metrics
 from sweep.store import Tracker, tracking_uri
+from sweep.store_urls import hide_password
 from sweep.studies import (
     DIVERGED_ATTR,
     ROW_KEY_ATTR,
+    STOPPED_ATTR,
+    STUDY_UID_ATTR,
     SURPLUS_ATTR,
     VAL_LOSS_ATTR,
     make_storage,
@@ -179,8 +184,13 @@ def tune_row(
     ladder: list[float] | None = None,
     cache_root: Path | None = None,
     out=print,
+    stop: StopRequest | None = None,
 ) -> optuna.Study:
     """Run (or continue) the row's study until ``trials`` trials are complete or pruned.
+
+    ``stop`` (armed by the caller) is the sweep's Ctrl-C / SIGTERM: a trial that gets it saves its
+    step, is failed cleanly in Optuna (failed trials do not count, so a rerun completes the budget)
+    and ``killed`` in MLflow, and the search ends with ``KeyboardInterrupt``.
 
     Returns:
         The study.
@@ -193,7 +203,7 @@ def tune_row(
     pin_threads()
     name = study_name(grid, scale, row, ladder=bool(ladder))
     url = storage_url(results_dir, storage)
-    shown = url.split("@")[-1] if "@" in url else url  # never print a password
+    shown = hide_password(url)
     config = grid.resolve(scale, row, 0)
     study = optuna.create_study(
         study_name=name,
@@ -205,13 +215,17 @@ def tune_row(
     recorded = study.user_attrs.get(ROW_KEY_ATTR)
     if recorded is None:
         study.set_user_attr(ROW_KEY_ATTR, run_key(config))
+        study.set_user_attr(STUDY_UID_ATTR, uuid.uuid4().hex)  # a study made anew under an old name
     elif recorded != run_key(config):  # a rerun would mix trials of two recipes in one study
         raise ValueError(
             f"study {name} holds trials of another config of row '{row.id}' (the grid or its corpus "
             f"changed); remove it with: optuna delete-study --study-name {name} --storage {shown}"
         )
     tracker = Tracker(tracking_uri(results_dir), f"{grid.name}-{scale}-lr", results_dir / "mlartifacts")
-    parent = tracker.named_run(name, {"kind": Kind.STUDY, "optuna_study": name})
+    uid = study.user_attrs.get(STUDY_UID_ATTR)  # None: a study older than the attribute
+    parent = tracker.named_run(
+        name, {"kind": Kind.STUDY, "optuna_study": name, **({"optuna_study_uid": uid} if uid else {})}
+    )
     done = len(study.get_trials(deepcopy=False, states=COUNTED))
     todo = max(0, trials - done)
     # The sampler is set once the study's size is known: a fresh study draws with seed 0
@@ -258,7 +272,10 @@ def tune_row(
                     ProgressPrinter(prefix, clock, out),
                     cache_root,
                     checkpoints,
-                    [StepPruningCallback(trial, storage=url)],
+                    [
+                        StepPruningCallback(trial, storage=url),
+                        *([StopOnRequest(stop, checkpoints)] if stop else []),
+                    ],
                 )
         except optuna.TrialPruned as err:
             _close(tracker, child, Status.FINISHED, TrialOutcome.PRUNED, str(err))
@@ -270,8 +287,16 @@ def tune_row(
             _close(tracker, child, Status.DIVERGED, TrialOutcome.PRUNED, str(err))
             out(f"{prefix} diverged: {err}")
             raise optuna.TrialPruned(f"diverged: {err}") from None
-        except BaseException as err:  # Ctrl-C included: Optuna marks the trial FAIL, so does MLflow
+        except Interrupted as err:  # the search's signal: this trial fails cleanly, the search ends
+            trial.set_user_attr(STOPPED_ATTR, str(err))
+            _close(tracker, child, Status.KILLED, TrialOutcome.FAIL, str(err))
+            drop_step_checkpoints(checkpoints)  # a trial is never resumed: its rerun is a new trial
+            out(f"{prefix} stopped: {err}; the trial does not count, a rerun trains another")
+            raise KeyboardInterrupt from err  # Optuna marks it FAIL and lets it through
+        except BaseException as err:  # a second Ctrl-C included: Optuna marks the trial FAIL, so does MLflow
             _close(tracker, child, Status.FAILED, TrialOutcome.FAIL, f"{type(err).__name__}: {err}")
+            if isinstance(err, SystemExit):  # Lightning's answer to a KeyboardInterrupt in fit: Optuna
+                raise KeyboardInterrupt from err  # would leave the trial RUNNING on a SystemExit
             raise
         finally:
             clock.cell_done(time.perf_counter() - started)
@@ -290,10 +315,15 @@ def tune_row(
             objective,
             n_trials=todo,
             catch=(Exception,),
-            callbacks=[optuna.study.MaxTrialsCallback(trials, states=(*COUNTED, TrialState.RUNNING))],
+            callbacks=[
+                optuna.study.MaxTrialsCallback(trials, states=(*COUNTED, TrialState.RUNNING)),
+                lambda study, _trial: study.stop() if stop is not None and stop.signum else None,
+            ],
         )
     _close_orphans(study, tracker)
     _summarise(study, tracker, parent)
+    if stop is not None and stop.signum:  # came between trials, or in a trial's final probes
+        raise KeyboardInterrupt
     return study
 
 
@@ -337,18 +367,6 @@ def beyond_budget(study: optuna.Study, number: int, budget: int) -> bool:
         and (t.datetime_start, t.number) < order
     ]
     return len(earlier) >= budget
-
-
-def unretried_failures(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
-    """FAIL trials that no later trial retried (the heartbeat's retry names its ``failed_trial``),
-    surplus ones (never run) left out."""
-    trials = study.get_trials(deepcopy=False)
-    retried = {t.system_attrs.get("failed_trial") for t in trials}
-    return [
-        t
-        for t in trials
-        if t.state == TrialState.FAIL and t.number not in retried and SURPLUS_ATTR not in t.user_attrs
-    ]
 
 
 def _close_orphans(study: optuna.Study, tracker: Tracker) -> None:

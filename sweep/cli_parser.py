@@ -1,0 +1,53 @@
+"""The options of ``python -m sweep.cli`` (:mod:`sweep.cli`), one subcommand per ``make`` target."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """The command line's parser: the subcommands and their options."""
+    from sweep.run.slurm import add_arguments as add_launcher_arguments
+    from sweep.studies import HEARTBEAT_S
+
+    p = argparse.ArgumentParser(prog="sweep", description=description)
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, text in (
+        ("sweep", "train every unfinished cell, then write the tables"),
+        ("tables", "write results/<grid>.{md,csv,tex} from the tracking store"),
+        ("params", "print total, active and added parameters per row (counted, no training)"),
+        ("tune", "Optuna search of each row's max learning rate, then results/<grid>_lr_search.*"),
+        (
+            "stability",
+            "train each row at every rung of the grid's LR ladder, then results/<grid>_lr_ladder.*",
+        ),
+        ("worker", "train cells from the sweep's queue until it is empty (started by sweep --workers)"),
+        ("eval", "benchmark finished runs that lack scores (the grid's eval.tasks), then the tables"),
+    ):
+        s = sub.add_parser(name, help=text)
+        grid = "grids/stability.yaml" if name == "stability" else "grids/table1.yaml"
+        s.add_argument("--grid", default=grid, help="grid YAML file")
+        s.add_argument("--scale", default="tiny", help="scale profile of the grid")
+        s.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default: the grid's)")
+        s.add_argument("--rows", default=None, help="comma-separated row ids (default: all)")
+        s.add_argument("--force", action="store_true", help="retrain cells that already finished")
+        s.add_argument("--results", default="results", help="results folder (store, tables)")
+        if name in ("sweep", "worker", "tune", "stability"):
+            s.add_argument("--storage", default=None, help="Optuna RDB URL (default results/optuna.db)")
+        if name in ("sweep", "worker"):
+            s.add_argument("--heartbeat", type=int, default=HEARTBEAT_S, help=argparse.SUPPRESS)
+            s.add_argument("--no-system-metrics", action="store_true", help="no MLflow system metrics")
+        if name == "sweep":
+            s.add_argument(
+                "--workers",
+                default="1",
+                help="worker processes, or auto (one per CPU core, one on a GPU); >1 uses the queue",
+            )
+            add_launcher_arguments(s)
+        if name == "tune":
+            s.add_argument("--trials", type=int, default=8, help="trials per row (complete or pruned)")
+            s.add_argument("--lr-range", default="1e-4,1e-2", help="log-uniform max LR range, lo,hi")
+            s.add_argument("--ladder", default=None, help="fixed max LRs, a,b,c (grid sampler)")
+        if name == "stability":
+            s.add_argument("--ladder", default=None, help="max LRs a,b,c (default: the grid's lr_ladder)")
+    return p
