@@ -38,7 +38,7 @@ def file_sha256(path: Path) -> str:
 
 
 def _files(root: Path) -> list[str]:
-    """Every file of the corpus folder but the checksums themselves, relative, sorted."""
+    """Every file of the folder but the checksums themselves, relative, sorted."""
     return sorted(
         p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and p.name != CHECKSUMS
     )
@@ -56,44 +56,65 @@ def write_checksums(root: Path) -> dict[str, dict[str, int | str]]:
     return table
 
 
+def _damaged(error: type[Exception], what: str, root: Path, rel: str, problem: str) -> Exception:
+    return error(f"{what} {root}: {rel} {problem}; delete the folder to rebuild it (rm -r {root})")
+
+
+def require_recorded(
+    root: Path,
+    table: dict | None,
+    needed: Sequence[str],
+    what: str = "corpus",
+    error: type[Exception] = Damaged,
+) -> None:
+    """Check that each of ``needed`` (relative paths) is in ``table`` (what :func:`verify`
+    returned; None: nothing recorded, nothing to check).
+
+    Raises:
+        error: a file not recorded (the folder was edited), one line as :func:`verify`'s.
+    """
+    for rel in dict.fromkeys(needed):
+        if table is not None and rel not in table:
+            raise _damaged(error, what, root, rel, "has no recorded checksum (the folder was edited)")
+
+
 def verify(
     root: Path, needed: Sequence[str] = (), what: str = "corpus", error: type[Exception] = Damaged
-) -> None:
+) -> dict | None:
     """Check that every file recorded in ``checksums.json`` has the size and sha256 it was built
     with, and that each of ``needed`` (relative paths) is recorded.
+
+    Returns:
+        The recorded table, or None for a read-only folder built before the check (nothing
+        recorded, nothing checked).
 
     Raises:
         error: (``Damaged`` by default) a file missing, of another size or content, or not
             recorded; one line naming the ``what``, the file and how to rebuild the folder.
     """
     root = Path(root)
-
-    def _damaged(root: Path, rel: str, problem: str) -> Exception:
-        return error(f"{what} {root}: {rel} {problem}; delete the folder to rebuild it (rm -r {root})")
-
     try:
         table = json.loads((root / CHECKSUMS).read_text())
     except FileNotFoundError:
         try:
             table = write_checksums(root)  # built before the check existed: record it as found
         except OSError:  # a read-only shared cache we cannot stamp: nothing recorded to check against
-            return
+            return None
     except (OSError, ValueError) as err:
-        raise _damaged(root, CHECKSUMS, f"cannot be read ({err})") from err
-    for rel in dict.fromkeys(needed):
-        if rel not in table:
-            raise _damaged(root, rel, "has no recorded checksum (the folder was edited)")
+        raise _damaged(error, what, root, CHECKSUMS, f"cannot be read ({err})") from err
+    require_recorded(root, table, needed, what, error)
     for rel, entry in table.items():
         path = root / rel
         try:
             st = path.stat()
         except FileNotFoundError:
-            raise _damaged(root, rel, "is missing") from None
+            raise _damaged(error, what, root, rel, "is missing") from None
         if st.st_size != entry["bytes"]:
-            raise _damaged(root, rel, f"is {st.st_size:,} bytes, {entry['bytes']:,} when built")
+            raise _damaged(error, what, root, rel, f"is {st.st_size:,} bytes, {entry['bytes']:,} when built")
         stamp = (st.st_size, st.st_mtime_ns, st.st_ino)
         if _verified.get(str(path)) == stamp:
             continue
         if file_sha256(path) != entry["sha256"]:
-            raise _damaged(root, rel, "changed since it was built (another sha256)")
+            raise _damaged(error, what, root, rel, "changed since it was built (another sha256)")
         _verified[str(path)] = stamp
+    return table

@@ -98,10 +98,6 @@ def _main(argv: list[str] | None) -> int:
     from sweep.store import TrackingError
 
     args = parser(__doc__.splitlines()[0]).parse_args(argv)
-    if hasattr(args, "storage") and args.storage is None:
-        from sweep.store_urls import STORAGE_ENV
-
-        args.storage = os.environ.get(STORAGE_ENV) or None
     if args.seeds is not None and args.seeds < 1:
         print("error: --seeds must be at least 1", file=sys.stderr)
         return 2

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+
+from sweep.store_urls import STORAGE_ENV
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -33,7 +36,11 @@ def parser(description: str) -> argparse.ArgumentParser:
         s.add_argument("--force", action="store_true", help="retrain cells that already finished")
         s.add_argument("--results", default="results", help="results folder (store, tables)")
         if name in ("sweep", "worker", "tune", "stability"):
-            s.add_argument("--storage", default=None, help="Optuna RDB URL (default results/optuna.db)")
+            s.add_argument(  # a worker's, and make's, come through the environment (no password in ps)
+                "--storage",
+                default=os.environ.get(STORAGE_ENV) or None,
+                help=f"Optuna RDB URL (default ${STORAGE_ENV}, else results/optuna.db)",
+            )
         if name in ("sweep", "worker"):
             s.add_argument("--heartbeat", type=int, default=HEARTBEAT_S, help=argparse.SUPPRESS)
             s.add_argument("--no-system-metrics", action="store_true", help="no MLflow system metrics")

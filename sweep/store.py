@@ -86,9 +86,8 @@ def _file_id(path: Path) -> tuple[int, int] | None:
 
 def runtime_tags() -> dict[str, str]:
     """What computed a run: the device, torch's intra-op threads, the CPU arithmetic
-    (:func:`experiments.numerics.cpu_arithmetic`), the numbers version of the code, its git commit
-    (``git_commit``, ``+dirty`` with uncommitted changes; absent outside a checkout) and the
-    library versions."""
+    (:func:`experiments.numerics.cpu_arithmetic`), the numbers version, the git commit (``git_commit``,
+    ``+dirty`` with uncommitted changes; absent outside a checkout) and the library versions."""
     import lightning
     import torch
 
@@ -134,6 +133,11 @@ def code_commit() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def started_from(run: Any | None, parent: Any | None) -> bool:
+    """Whether the later stage's ``run`` started from the ``parent`` run (its tag ``parent_run``)."""
+    return run is not None and parent is not None and run.data.tags.get("parent_run") == parent.info.run_id
 
 
 class Tracker:
@@ -304,15 +308,13 @@ class Tracker:
         self.client.set_tag(run_id, "resumed", str(resumes + 1))  # how many times it resumed
 
     def current_state(self, cell: Any) -> tuple[Any | None, Any | None]:
-        """:meth:`cell_state` of a ``sweep.grid.Cell``, where a later stage's runs count only while
-        they started from its parent's current result (tag ``parent_run``): a parent retrained
-        (``FORCE=1``), or deleted and retrained, makes its stages train again from step 0."""
+        """:meth:`cell_state` of a ``sweep.grid.Cell``; a later stage's runs count only while they
+        :func:`started_from` its parent's current result (a retrained parent retrains the stage)."""
         runs = self.cell_state(cell.run_key)
         if cell.parent is None or runs == (None, None):
             return runs
         parent = self.current_result(cell.parent)
-        source = parent.info.run_id if parent is not None else None
-        return tuple(r if r is not None and r.data.tags.get("parent_run") == source else None for r in runs)
+        return tuple(r if started_from(r, parent) else None for r in runs)
 
     def current_result(self, cell: Any) -> Any | None:
         """The cell's result run, if it is current (:meth:`current_state`), else None."""

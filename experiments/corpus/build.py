@@ -22,7 +22,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import experiments.corpus.backcopy as backcopy
 import experiments.corpus.sources as sources
-from experiments.checksums import verify, write_checksums
+from experiments.checksums import require_recorded, verify, write_checksums
 from experiments.config import DataConfig, identity_dict, to_dict
 from experiments.corpus.reader import (
     CORPUS_FORMAT_VERSION,
@@ -129,12 +129,12 @@ def open_checked(root: Path) -> Corpus:
         CorpusDamaged: a file differs from what was built (``experiments.checksums``).
         CorpusError: no readable manifest, or another format.
     """
-    verify(root, [MANIFEST], error=CorpusDamaged)
+    table = verify(root, [MANIFEST], error=CorpusDamaged)  # the manifest before it is read
     corpus = Corpus.open(root)
     files = corpus.manifest["files"]
     token_files = [files["train"], *files["val"].values(), *files["test"].values()]
     tokenizer = [f for f in (corpus.manifest["tokenizer"]["file"],) if f]
-    verify(root, token_files + tokenizer, error=CorpusDamaged)
+    require_recorded(root, table, token_files + tokenizer, error=CorpusDamaged)
     return corpus
 
 

@@ -9,7 +9,7 @@ import pandas as pd
 from experiments.config import GateConfig, to_dict
 from experiments.names import Status, current_key
 from sweep.grid import Grid, Row
-from sweep.store import Tracker, experiment_name, flatten, tracking_uri
+from sweep.store import Tracker, experiment_name, flatten, started_from, tracking_uri
 
 
 def finished_runs(grid: Grid, scale: str, results_dir: Path, seeds: list[int] | None = None) -> pd.DataFrame:
@@ -64,8 +64,7 @@ def _trained_from_current_parents(grid: Grid, current: list) -> list:
     order = {row.id: i for i, row in enumerate(grid.rows)}  # a parent is an earlier row
     kept: dict[tuple[str, int], object] = {}
     for r, row, seed in sorted(current, key=lambda line: order[line[1].id]):
-        parent = kept.get((row.parent, seed))
-        if row.parent is None or (parent is not None and r.data.tags.get("parent_run") == parent.info.run_id):
+        if row.parent is None or started_from(r, kept.get((row.parent, seed))):
             kept[(row.id, seed)] = r
     return [(r, row, seed) for r, row, seed in current if (row.id, seed) in kept]
 
