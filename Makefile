@@ -107,7 +107,7 @@ stability: $(STAMP)
 		--scale '$(SCALE)' $(if $(ROWS),--rows '$(ROWS)') $(if $(LADDER),--ladder $(LADDER))
 
 dashboard: $(STAMP)
-	$(VENV)/bin/optuna-dashboard '$(or $(STORAGE),sqlite:///results/optuna.db)' --host 127.0.0.1 --port $(DASHBOARD_PORT)
+	$(PY) -m sweep.browse dashboard --port $(DASHBOARD_PORT)  # the storage URL comes from GATED_ATTN_STORAGE
 
 # training speed in one process: tokens/s of each row (and a MoE row's dense twin), the harness
 # against a bare loop, one step's breakdown (sweep/throughput/)

@@ -8,15 +8,19 @@ newest file continues the run as if it had never stopped.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+from experiments.checksums import file_sha256
 
 try:
     import resource
@@ -25,6 +29,61 @@ except ImportError:  # not on Windows
 
 FINAL_CHECKPOINT = "final.ckpt"  # the finished run's weights, for evaluation
 _STEP_FILE = re.compile(r"^step(\d+)\.ckpt$")
+SUM_SUFFIX = ".sha256"  # beside each checkpoint: {"bytes": size, "sha256": hex} of the file as written
+
+
+class CheckpointDamaged(RuntimeError):
+    """A checkpoint whose bytes are not the ones written (cut short, grown, overwritten), one line
+    naming the file; its run's cell must be trained again to have it back."""
+
+
+def sum_file(path: Path) -> Path:
+    """The content record of checkpoint ``path``: ``<path>.sha256``."""
+    return path.with_name(path.name + SUM_SUFFIX)
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why checkpoint ``path`` cannot be trusted, in words, or None when it is whole.
+
+    A checkpoint written by :class:`AtomicCheckpointIO` has its size and sha256 beside it
+    (:func:`sum_file`), checked here (reading the file once: about 10 ms for a `tiny` one). One
+    written before the record existed is checked as a whole zip archive (what ``torch.save`` writes)
+    only: a truncated file is found, a same-sized overwrite is not.
+    """
+    try:
+        size = path.stat().st_size
+        if size == 0:
+            return "an empty file"
+        try:
+            record = json.loads(sum_file(path).read_text())
+        except FileNotFoundError:
+            return None if zipfile.is_zipfile(path) else "not a whole torch archive (truncated?)"
+        except ValueError:
+            return f"its record {sum_file(path).name} cannot be read"
+        if size != record.get("bytes"):
+            return f"{size:,} bytes, {record.get('bytes')} when written"
+        if file_sha256(path) != record.get("sha256"):
+            return "changed since it was written (another sha256)"
+        return None
+    except OSError as err:
+        return err.strerror or type(err).__name__
+
+
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The ``state_dict`` of a weights file (:data:`FINAL_CHECKPOINT`, ``LMModule``'s keys under
+    ``model.``), after its content check, on the CPU.
+
+    Raises:
+        FileNotFoundError: no such file.
+        CheckpointDamaged: its bytes are not the ones written; one line naming the file.
+    """
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    if problem := checkpoint_problem(path):
+        raise CheckpointDamaged(
+            f"checkpoint {path} is {problem}: not used; train its cell again (FORCE=1 with its row in ROWS)"
+        )
+    return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
 
 
 def step_checkpoint_name(step: int) -> str:
@@ -45,18 +104,26 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
+        sum_tmp = tmp.with_name(tmp.name + SUM_SUFFIX)
         try:
             with open(tmp, "wb") as f:
                 torch.save(checkpoint, f)
                 f.flush()
                 os.fsync(f.fileno())
+            record = {"bytes": tmp.stat().st_size, "sha256": file_sha256(tmp)}
+            sum_tmp.write_text(json.dumps(record) + "\n")
         except Exception as err:  # torch reports a short write as RuntimeError("... unexpected pos ...")
             written = tmp.stat().st_size if tmp.exists() else 0
             tmp.unlink(missing_ok=True)
+            sum_tmp.unlink(missing_ok=True)
             raise CheckpointWriteError(path, written, err) from err
         except BaseException:  # Ctrl-C mid-write: no partial file either
             tmp.unlink(missing_ok=True)
+            sum_tmp.unlink(missing_ok=True)
             raise
+        # The record first: a kill between the two renames leaves a record without its file
+        # (checkpoint names are never reused), never a file with another file's record.
+        os.replace(sum_tmp, sum_file(path))
         os.replace(tmp, path)
 
 
@@ -119,6 +186,7 @@ class PeriodicCheckpoint(pl.Callback):
         save_at_step_start(trainer, path)
         if trainer.is_global_zero and previous is not None and previous != path:
             previous.unlink()
+            sum_file(previous).unlink(missing_ok=True)
 
 
 def save_at_step_start(trainer: pl.Trainer, path: Path) -> None:
@@ -139,7 +207,8 @@ def save_at_step_start(trainer: pl.Trainer, path: Path) -> None:
 
 
 def drop_step_checkpoints(folder: Path) -> None:
-    """Remove the training-state files (and any ``.tmp``) once a run has its result recorded."""
+    """Remove the training-state files (with their records and any ``.tmp``) once a run has its
+    result recorded."""
     for path in folder.glob("step*.ckpt*"):
         path.unlink()
 

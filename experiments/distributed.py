@@ -54,14 +54,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Opened once at import: ``die_with_parent`` also runs between fork and exec (``preexec_fn``),
+# where a dlopen could wait forever on a lock another thread of the parent held.
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
 def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
     """Have the kernel send ``sig`` (SIGKILL) to this process when the process that started it
     dies (Linux's ``PR_SET_PDEATHSIG``; elsewhere nothing): a sweep worker killed with ``kill -9``
     leaves no rank training on, and writing into its run, behind it. With SIGTERM the process can
     still save its cell (a worker whose launcher died)."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(sig))  # 1 = PR_SET_PDEATHSIG
+    if _LIBC is not None:
+        _LIBC.prctl(1, int(sig))  # 1 = PR_SET_PDEATHSIG
         if os.getppid() != parent:  # it died before the line above: nothing would signal us
             os._exit(1)
 

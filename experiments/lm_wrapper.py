@@ -24,6 +24,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tokenizers import Tokenizer
 
+from experiments.checkpointing import load_weights
 from experiments.config import ModelConfig
 from experiments.model import GatedLM, KVCache
 
@@ -63,8 +64,13 @@ class GatedAttnLM(TemplateLM):
     def from_checkpoint(
         cls, checkpoint: Path, model_cfg: ModelConfig, tokenizer_file: Path, **kwargs: Any
     ) -> GatedAttnLM:
-        """Load ``final.ckpt`` (a Lightning checkpoint of ``LMModule``; weights under ``model.``)."""
-        state = torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
+        """Load ``final.ckpt`` (a Lightning checkpoint of ``LMModule``; weights under ``model.``).
+
+        Raises:
+            FileNotFoundError: no such file.
+            experiments.checkpointing.CheckpointDamaged: its bytes are not the ones written.
+        """
+        state = load_weights(checkpoint)
         model = GatedLM(model_cfg)
         model.load_state_dict(
             {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}

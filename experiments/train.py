@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 
 from experiments import names as N
-from experiments.checkpointing import AtomicCheckpointIO, PeriodicCheckpoint
+from experiments.checkpointing import AtomicCheckpointIO, PeriodicCheckpoint, load_weights
 from experiments.config import RunConfig, TrainConfig
 from experiments.data import CorpusDataModule
 from experiments.lit import LMModule, auto_precision
@@ -119,10 +118,10 @@ class Training:
 
         Raises:
             FileNotFoundError: no such file.
+            experiments.checkpointing.CheckpointDamaged: its bytes are not the ones written.
             RuntimeError: the weights do not fit this model (torch's ``load_state_dict``).
         """
-        state = torch.load(weights, map_location="cpu", weights_only=True)["state_dict"]
-        self.module.load_state_dict(state)
+        self.module.load_state_dict(load_weights(weights))
 
     def fit(self, resume_from: Path | None = None) -> None:
         """Train to ``train.max_steps``, from step 0 or from a ``step<N>.ckpt`` training state.

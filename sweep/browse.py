@@ -1,11 +1,15 @@
-"""Looking at what a sweep tracked: ``python -m sweep.browse {ui,compare} ...`` (``make ui``,
-``make compare``).
+"""Looking at what a sweep tracked: ``python -m sweep.browse {ui,compare,dashboard} ...``
+(``make ui``, ``make compare``, ``make dashboard``).
 
 - ``ui``: tag the grid's experiment for the UI (``sweep.ui_view``), print the URL of its runs,
   then serve ``mlflow ui`` on the store with one worker on up to 8 cores (MLflow's default of
   four, each a whole copy of the app, starved a 2-core machine running a sweep). A tracking
   server (``MLFLOW_TRACKING_URI=http...``) serves its UI already: only the URL is printed.
 - ``compare``: two runs or two rows side by side (``sweep.report.compare``).
+- ``dashboard``: optuna-dashboard on the LR searches' storage (``$GATED_ATTN_STORAGE``, else
+  ``results/optuna.db``), served in this process: the URL, which may hold a password, reaches no
+  command line (``ps``) and is printed with the password hidden. The MLflow UI gets its store
+  through the environment too (``MLFLOW_BACKEND_STORE_URI``).
 
 Exit status: 0 on success, 2 on bad input (grid, store, ``--runs``) with one line.
 """
@@ -22,6 +26,7 @@ from sweep.grid import load_grid
 from sweep.gridfile import GridError
 from sweep.report.compare import CompareError, load_side, write_compare
 from sweep.store import Tracker, TrackingError, experiment_name, tracking_uri
+from sweep.store_urls import STORAGE_ENV, hide_password
 from sweep.ui_view import runs_url
 
 
@@ -39,12 +44,17 @@ def _parser() -> argparse.ArgumentParser:
     sub.choices["ui"].add_argument("--port", type=int, default=5000, help="the UI's port on 127.0.0.1")
     sub.choices["ui"].add_argument("--print-only", action="store_true", help="print the URL only")
     sub.choices["compare"].add_argument("--runs", required=True, help="two run ids or row ids, a,b")
+    board = sub.add_parser("dashboard", help="serve optuna-dashboard on the LR searches' storage")
+    board.add_argument("--results", default="results", help="results folder (results/optuna.db)")
+    board.add_argument("--port", type=int, default=8080, help="the dashboard's port on 127.0.0.1")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     results = Path(args.results)
+    if args.command == "dashboard":
+        return _dashboard(results, args.port)
     try:
         grid = load_grid(args.grid)
         grid.cells(args.scale)  # the scale exists
@@ -76,7 +86,7 @@ def _ui(uri: str, tracker: Tracker, grid, scale: str, port: int, print_only: boo
     base = uri if served else f"http://127.0.0.1:{port}"
     runs = tracker.client.search_runs([tracker.experiment_id], f"tags.kind = '{Kind.CELL}'", max_results=5000)
     url = runs_url(base, tracker.experiment_id)
-    print(f"experiment {tracker.experiment}: {len(runs)} cell run(s); open {url}")
+    print(f"experiment {tracker.experiment}: {len(runs)} cell run(s); open {hide_password(url)}")
     elsewhere = [
         c
         for c in grid.cells(scale)
@@ -89,12 +99,39 @@ def _ui(uri: str, tracker: Tracker, grid, scale: str, port: int, print_only: boo
     if served or print_only:
         return 0
     workers = 1 if (os.cpu_count() or 1) <= 8 else 4
-    command = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1"]
+    command = [sys.executable, "-m", "mlflow", "ui", "--host", "127.0.0.1"]
     command += ["--port", str(port), "--workers", str(workers)]
     sys.stdout.flush()
+    os.environ["MLFLOW_BACKEND_STORE_URI"] = uri  # not in argv: a database URL may hold a password
     os.environ["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"  # no job runner and its 8 consumers
     os.execv(sys.executable, command)
     return 0  # not reached
+
+
+def _dashboard(results: Path, port: int) -> int:
+    """Serve optuna-dashboard on 127.0.0.1:``port`` until Ctrl-C (then 130, one line)."""
+    from optuna_dashboard import run_server
+
+    from sweep.studies import make_storage, storage_url
+
+    try:
+        url = storage_url(results, os.environ.get(STORAGE_ENV) or None)
+    except ValueError as err:  # a results path a URL cannot hold
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        storage = make_storage(url)  # creates the tables of a new file, as the sweep would
+    except Exception as err:  # a server that does not answer, a file that is not a database
+        detail = hide_password((str(err).strip().splitlines() or [""])[0])
+        print(f"error: storage {hide_password(url)}: {type(err).__name__}: {detail}", file=sys.stderr)
+        return 2
+    print(f"optuna-dashboard on {hide_password(url)}: open http://127.0.0.1:{port}/", flush=True)
+    try:
+        run_server(storage, host="127.0.0.1", port=port)
+    except KeyboardInterrupt:
+        print("stopped", file=sys.stderr)
+        return 130
+    return 0
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ line saying what was done, never a traceback."""
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pandas as pd
@@ -171,17 +171,41 @@ def test_a_failed_run_whose_checkpoint_folder_was_deleted_by_hand_starts_over_an
     assert steps == list(range(SHORT_STEPS))
 
 
+def _overwrite_the_middle(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 64] = bytes(64)
+    path.write_bytes(bytes(data))
+
+
 @pytest.mark.slow
-def test_a_truncated_checkpoint_is_not_resumed_from(
-    crashed: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+@pytest.mark.parametrize(
+    "damage, problem",
+    [
+        (lambda p: p.write_bytes(p.read_bytes()[:4096]), "4,096 bytes, "),  # a copy cut short
+        (_overwrite_the_middle, "changed since it was written (another sha256)"),  # same size
+        (  # written before checkpoints had their record: still checked as an archive
+            lambda p: (p.with_name(p.name + ".sha256").unlink(), p.write_bytes(p.read_bytes()[:4096])),
+            "not a whole torch archive",
+        ),
+    ],
+    ids=["cut short", "overwritten", "cut short, no record"],
+)
+def test_a_damaged_checkpoint_is_not_resumed_from(
+    crashed: dict,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+    damage: Callable[[Path], object],
+    problem: str,
 ) -> None:
     use_repo_cache(monkeypatch)
     args, results, folder = crashed_copy(crashed, tmp_path)
     checkpoint = folder / "step000005.ckpt"
-    checkpoint.write_bytes(checkpoint.read_bytes()[:4096])  # a copy cut short
+    damage(checkpoint)
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert f"has an unusable checkpoint {checkpoint} (not a whole torch archive" in out
+    assert f"has an unusable checkpoint {checkpoint} ({problem}" in out
     assert "finished 0, resumed 0, restarted 1, skipped 0, diverged 0, failed 0" in out
     assert not folder.exists()
 

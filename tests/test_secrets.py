@@ -68,3 +68,61 @@ def test_worker_processes_get_the_storage_url_in_their_environment(tmp_path: Pat
     names = start_processes([sys.executable, "-c", check], 2, StopRequest(), lines.append, {STORAGE_ENV: URL})
     assert len(names) == 2
     assert lines == []  # a worker without the URL would exit 3 and be reported
+
+
+def test_the_optuna_dashboard_gets_the_storage_from_the_environment_not_its_command_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import optuna_dashboard
+
+    import sweep.studies
+    from sweep.browse import main as browse
+
+    served: dict = {}
+    monkeypatch.setattr(sweep.studies, "make_storage", lambda url: ("storage of", url))  # no server here
+    monkeypatch.setattr(
+        optuna_dashboard, "run_server", lambda storage, **kw: served.update(storage=storage, **kw)
+    )
+    monkeypatch.setenv(STORAGE_ENV, URL)
+    assert browse(["dashboard", "--results", str(tmp_path), "--port", "8123"]) == 0
+    assert served == {"storage": ("storage of", URL), "host": "127.0.0.1", "port": 8123}
+    out = capsys.readouterr().out
+    assert (
+        out
+        == "optuna-dashboard on postgresql+psycopg://alice:***@db.example:5432/sweeps: open http://127.0.0.1:8123/\n"
+    )
+    assert "$(STORAGE)" not in Path("Makefile").read_text().split("\ndashboard:")[1].split("\n\n")[0]
+
+
+def test_a_storage_that_does_not_answer_is_one_line_without_its_password(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import sweep.studies
+    from sweep.browse import main as browse
+
+    def refused(url: str) -> None:
+        raise ConnectionError(f"could not connect to {url}\nsecond line")
+
+    monkeypatch.setattr(sweep.studies, "make_storage", refused)
+    monkeypatch.setenv(STORAGE_ENV, URL)
+    assert browse(["dashboard", "--results", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and SECRET not in err and "alice:***@db.example" in err
+
+
+def test_the_mlflow_ui_gets_its_store_from_the_environment_not_its_command_line(
+    micro: dict, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import os
+
+    from sweep.browse import main as browse
+
+    uri = f"sqlite:///{micro['results'] / 'mlflow.db'}"
+    started: list = []
+    monkeypatch.setattr(os, "execv", lambda exe, argv: started.append(argv))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.delenv("MLFLOW_BACKEND_STORE_URI", raising=False)
+    assert browse(["ui", "--grid", str(micro["grid"]), "--results", str(micro["results"])]) == 0
+    (argv,) = started
+    assert uri not in argv and argv[1:4] == ["-m", "mlflow", "ui"]
+    assert os.environ["MLFLOW_BACKEND_STORE_URI"] == uri

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from experiments.checkpointing import load_weights
 from experiments.corpus import Corpus, build_corpus
 from experiments.longctx import evaluate_long_context
 from experiments.model import GatedLM, YarnScaling
@@ -100,8 +101,9 @@ def load_model(cell: Cell, checkpoint: Path) -> GatedLM:
 
     Raises:
         FileNotFoundError: no such file. RuntimeError: the weights do not fit the config.
+        experiments.checkpointing.CheckpointDamaged: its bytes are not the ones written.
     """
-    state = torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
+    state = load_weights(checkpoint)
     model = GatedLM(cell.config.model)
     model.load_state_dict({k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")})
     return model.to("cuda" if torch.cuda.is_available() else "cpu")

@@ -41,6 +41,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from experiments.distributed import die_with_parent
 from experiments.names import Outcome
 from sweep.grid import Cell, Grid
 from sweep.run.interrupt import StopRequest
@@ -279,9 +280,15 @@ def start_processes(
 ) -> set[str]:
     """Run ``count`` worker processes of ``command`` on this machine, with ``env`` added to their
     environment, until each has left; forward SIGTERM to them once the driver got a signal (Ctrl-C
-    reaches them by itself). Returns their names (``host:pid``)."""
+    reaches them by itself). A driver killed outright (``kill -9``, the OOM killer) sends them
+    SIGTERM through the kernel (``PR_SET_PDEATHSIG``): each saves its cell and leaves, none trains
+    on orphaned. Returns their names (``host:pid``)."""
     env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}  # progress lines as they come, into a log file too
-    procs = [subprocess.Popen(command, env=env) for _ in range(count)]
+    driver = os.getpid()
+    procs = [
+        subprocess.Popen(command, env=env, preexec_fn=lambda: die_with_parent(driver, signal.SIGTERM))
+        for _ in range(count)
+    ]
     forwarded = False
     while any(p.poll() is None for p in procs):
         if stop.signum is not None and not forwarded:

@@ -13,9 +13,7 @@ import socket
 import threading
 import time
 import warnings
-import zipfile
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -126,18 +124,6 @@ class Heartbeat:
     def __exit__(self, *exc: object) -> None:
         self._done.set()
         self._thread.join()
-
-
-def usable_checkpoint(path: Path) -> str | None:
-    """Why the training checkpoint ``path`` cannot be resumed from (empty, truncated: not a whole
-    zip archive, which is what ``torch.save`` writes), or None when it looks whole. Reads the
-    archive's directory only, not the tensors."""
-    try:
-        if path.stat().st_size == 0:
-            return "an empty file"
-        return None if zipfile.is_zipfile(path) else "not a whole torch archive (truncated?)"
-    except OSError as err:
-        return err.strerror or type(err).__name__
 
 
 def logged_steps(client: Any, run_id: str) -> dict[str, int]:

@@ -12,7 +12,7 @@ from typing import Any
 from mlflow.exceptions import MlflowException
 
 from experiments import names as N
-from experiments.checkpointing import drop_step_checkpoints, latest_checkpoint
+from experiments.checkpointing import checkpoint_problem, drop_step_checkpoints, latest_checkpoint, sum_file
 from experiments.corpus import build_corpus
 from experiments.names import Outcome, Status
 from experiments.stability import Diverged
@@ -29,7 +29,6 @@ from sweep.run.resume import (
     live_owner,
     logged_steps,
     owner_tags,
-    usable_checkpoint,
 )
 from sweep.run.stages import Stage, parent_stage
 from sweep.run.sysmetrics import system_metrics
@@ -131,7 +130,7 @@ def claim_run(
     checkpoints = checkpoint_dir(ctx.results_dir, tracker.experiment_name_of(unfinished), old_id)
     resume_from = latest_checkpoint(checkpoints)
     why = f"no checkpoint in {checkpoints}" if checkpoints.is_dir() else f"no folder {checkpoints}"
-    if resume_from is not None and (problem := usable_checkpoint(resume_from)):
+    if resume_from is not None and (problem := checkpoint_problem(resume_from)):
         why, resume_from = f"an unusable checkpoint {resume_from} ({problem})", None
     if resume_from is None:
         tracker.delete(old_id)  # its points belong to a trajectory nobody can continue
@@ -143,7 +142,7 @@ def claim_run(
         )
         return claim
     for stale in checkpoints.glob("step*.ckpt*"):
-        if stale != resume_from:
+        if stale not in (resume_from, sum_file(resume_from)):
             stale.unlink()
     replayed = logged_steps(tracker.client, old_id)
     for key, value in owner_tags().items():  # before the status: the run is never ownerless

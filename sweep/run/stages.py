@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from experiments.checkpointing import FINAL_CHECKPOINT
+from experiments.checkpointing import FINAL_CHECKPOINT, checkpoint_problem
 from experiments.names import Status
 from sweep.grid import Cell
 from sweep.run.cell import checkpoint_dir
@@ -34,8 +34,11 @@ def parent_stage(cell: Cell, tracker: Tracker, results_dir: Path) -> Stage | str
         return f"its parent {name} {status} (run {done.info.run_id})"
     run_id = done.info.run_id
     weights = checkpoint_dir(results_dir, tracker.experiment_name_of(done), run_id) / FINAL_CHECKPOINT
+    retrain = f"FORCE=1 ROWS={parent.row.id} retrains it"
     if not weights.is_file():
-        return f"its parent {name}'s weights {weights} are gone (FORCE=1 ROWS={parent.row.id} retrains it)"
+        return f"its parent {name}'s weights {weights} are gone ({retrain})"
+    if problem := checkpoint_problem(weights):
+        return f"its parent {name}'s weights {weights} are {problem} ({retrain})"
     depth = 1
     while (parent := parent.parent) is not None:
         depth += 1
