@@ -101,7 +101,7 @@ def test_two_gloo_ranks_train_as_one_process(kind: str, tmp_path: Path) -> None:
 
     # The mid-run training state: one file, written by rank 0, as one process writes it.
     mid = "step000003.ckpt"
-    assert [p.name for p in (tmp_path / "two").iterdir()] == [mid]
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == [mid, f"{mid}.sha256"]
     one_state = torch.load(tmp_path / "one" / mid, weights_only=False)
     two_state = torch.load(tmp_path / "two" / mid, weights_only=False)
     assert_close(two_state["state_dict"], one_state["state_dict"])
@@ -210,7 +210,10 @@ def test_a_signal_during_a_steps_first_micro_batch_stops_at_the_next_step(tmp_pa
     cfg = RunConfig(model=MODEL, train=train_cfg, data=DATA)
     with pytest.raises(Interrupted) as stopped:
         Training(cfg, ROOT / ".cache", callbacks=[StopOnRequest(LateSignal(), tmp_path)]).fit()
-    assert stopped.value.step == 1 and [p.name for p in tmp_path.iterdir()] == ["step000001.ckpt"]
+    assert stopped.value.step == 1 and sorted(p.name for p in tmp_path.iterdir()) == [
+        "step000001.ckpt",
+        "step000001.ckpt.sha256",
+    ]
 
 
 def test_a_global_batch_that_does_not_split_exits_2_with_one_line(

@@ -76,7 +76,7 @@ def test_sigkill_mid_cell_resumes_in_the_same_run(
     assert run.info.run_id == dead.info.run_id and run.info.status == "FINISHED"
     assert run.data.tags["status"] == "finished" and run.data.tags["resumed"] == "1"
     assert_same_training(results, uninterrupted["results"])
-    assert sorted(p.name for p in folder.iterdir()) == ["final.ckpt"]
+    assert sorted(p.name for p in folder.iterdir()) == ["final.ckpt", "final.ckpt.sha256"]
 
 
 def test_ctrl_c_saves_marks_killed_and_the_next_sweep_resumes(

@@ -136,7 +136,10 @@ def test_the_recipe_trains_a_config_without_the_harness(tmp_path) -> None:
     domains = [k for k in final if k.startswith("val/ppl/") and k != "val/ppl/avg"]
     assert final["val/ppl/avg"] == pytest.approx(sum(final[k] for k in domains) / len(domains))
     assert final["params/total"] == model.param_counts()[0] == final["params/active"]
-    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["step000004.ckpt"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "step000004.ckpt",
+        "step000004.ckpt.sha256",
+    ]
     run.save_weights(tmp_path / "final.ckpt")
     state = torch.load(tmp_path / "final.ckpt", weights_only=True)["state_dict"]
     assert set(state) == {f"model.{k}" for k in run.module.model.state_dict()}
