@@ -124,6 +124,12 @@ def bench_chance_key(task: str) -> str:
     return bench_key(task, "chance")
 
 
+def bench_recipe_tag(task: str) -> str:
+    """``bench/<task>/recipe``: the run's tag naming what its scores of ``task`` were made with
+    (``sweep.evalspec.EvalConfig.recipe``)."""
+    return f"bench/{task}/recipe"
+
+
 #: The score a task reports when it is not ``acc`` (a column's heading before any run has it).
 BENCH_METRIC = {"offline_humaneval": "pass@1"}
 

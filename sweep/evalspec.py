@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
+from importlib import metadata
 
 from experiments.longctx_config import LongContextConfig
 from experiments.strict import ConfigError
@@ -49,6 +52,27 @@ class EvalConfig:
 
     def fewshot(self, task: str) -> int:
         return self.num_fewshot.get(task, 0)
+
+    def recipe(self, task: str) -> str:
+        """What a score of ``task`` was made with, as 12 hex digits: the task, its shots, the
+        limit, the generation budget, the offline suite's version and lm-eval's. A score is the
+        run's only while its tag ``bench/<task>/recipe`` says this (``sweep.eval.scores``); after
+        any of them changed, ``make eval`` scores the run again and the tables leave the old one out."""
+        from sweep.eval.suite import SUITE_VERSION
+
+        try:
+            harness = metadata.version("lm_eval")
+        except metadata.PackageNotFoundError:
+            harness = None
+        made_with = {
+            "task": task,
+            "num_fewshot": self.fewshot(task),
+            "limit": self.limit,
+            "max_gen_toks": self.max_gen_toks,
+            "suite": SUITE_VERSION,
+            "lm_eval": harness,
+        }
+        return hashlib.sha256(json.dumps(made_with, sort_keys=True).encode()).hexdigest()[:12]
 
     def scored_by_sweep(self, scale: str) -> bool:
         """Whether ``make sweep`` at ``scale`` scores the finished runs by itself."""

@@ -304,6 +304,27 @@ def test_make_eval_scores_finished_runs_without_retraining(
     assert main(["eval", "--grid", str(scored), "--results", str(results)]) == 0  # nothing missing
     assert "runs scored" not in capsys.readouterr().out
 
+    # Scores made with another recipe (here 4 questions, not 6) are not the grid's: the tables
+    # leave them out, and make eval scores the task again (HumanEval's stand).
+    fewer = tmp_path / "fewer.yaml"
+    fewer.write_text(scored.read_text().replace("limit: 6", "limit: 4"))
+    assert main(["tables", "--grid", str(fewer), "--results", str(results)]) == 0
+    csv = pd.read_csv(results / "micro.csv").set_index("id")
+    assert csv["bench_offline_mmlu_dev"].isna().all() and (csv["bench_offline_mmlu_dev_n"] == 0).all()
+    capsys.readouterr()
+    assert main(["eval", "--grid", str(fewer), "--results", str(results)]) == 0
+    assert (
+        "benchmarks (offline_mmlu_dev, offline_humaneval): 3 runs scored, 0 failed" in capsys.readouterr().out
+    )
+    csv = pd.read_csv(results / "micro.csv").set_index("id")
+    for run in runs():
+        assert len(client.get_metric_history(run.info.run_id, "bench/offline_mmlu_dev/acc")) == 2
+        acc = run.data.metrics["bench/offline_mmlu_dev/acc"]
+        assert acc in {i / 4 for i in range(5)}
+        assert csv.loc[run.data.tags["row"], "bench_offline_mmlu_dev"] == pytest.approx(acc, abs=1e-5)
+    assert main(["eval", "--grid", str(scored), "--results", str(results)]) == 0  # back to 6: again
+    assert "3 runs scored" in capsys.readouterr().out
+
 
 def test_the_table_shows_acc_or_the_only_score_headed_with_the_logged_chance(tmp_path: Path) -> None:
     import pandas as pd

@@ -29,6 +29,7 @@ from experiments.names import (
     bench_key,
     bench_metric_name,
     bench_prefix,
+    bench_recipe_tag,
     bench_score_key,
 )
 from sweep.eval.humaneval_exec import TIMEOUT_S
@@ -133,10 +134,13 @@ def parse_results(task: str, results: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def scored(metrics: dict[str, float], task: str) -> bool:
-    """Whether ``metrics`` hold a score of ``task`` (any ``bench/<task>/...`` key: lm-eval's own
-    tasks report ``acc``, ``exact_match``, ``pass@1``...)."""
-    return any(k.startswith(bench_prefix(task)) and k != bench_chance_key(task) for k in metrics)
+def scored(run: Any, task: str, spec: EvalConfig) -> bool:
+    """Whether ``run`` holds a score of ``task`` made with the grid's recipe for it (any
+    ``bench/<task>/...`` key: lm-eval's own tasks report ``acc``, ``exact_match``, ``pass@1``...;
+    its tag ``bench/<task>/recipe`` is ``spec.recipe(task)``)."""
+    if run.data.tags.get(bench_recipe_tag(task)) != spec.recipe(task):
+        return False
+    return any(k.startswith(bench_prefix(task)) and k != bench_chance_key(task) for k in run.data.metrics)
 
 
 def log_missing_chance(
@@ -150,11 +154,10 @@ def log_missing_chance(
             continue
         level = {}
         for task in spec.tasks:
-            metrics = run.data.metrics
             if (
                 task in OFFLINE_TASKS + BIGBENCH_TASKS
-                and scored(metrics, task)
-                and bench_chance_key(task) not in metrics
+                and scored(run, task, spec)
+                and bench_chance_key(task) not in run.data.metrics
             ):
                 value = chance(task_dir(cache_root, bigbench=task in BIGBENCH_TASKS), task)
                 if value is not None:
@@ -168,15 +171,18 @@ def runnable_tasks(spec: EvalConfig) -> list[str]:
     return [t for t in spec.tasks if code_eval_allowed() or t not in CODE_TASKS]
 
 
-def missing_scores(tracker: Tracker, cells: list[Cell], tasks: list[str]) -> list[tuple[Cell, Any]]:
-    """Finished runs of ``cells`` that lack a score of one of ``tasks``, each run once (two cells
-    of one config share a run)."""
+def missing_scores(
+    tracker: Tracker, cells: list[Cell], tasks: list[str], spec: EvalConfig
+) -> list[tuple[Cell, Any]]:
+    """Finished runs of ``cells`` that lack a score of one of ``tasks`` made with ``spec``'s
+    recipe (never scored, or scored before the task's shots, limit, suite or lm-eval changed),
+    each run once (two cells of one config share a run)."""
     todo: dict[str, tuple[Cell, Any]] = {}
     for cell in cells:
         run = tracker.current_result(cell)
         if run is None or run.data.tags.get("status") != Status.FINISHED:
             continue
-        if any(not scored(run.data.metrics, task) for task in tasks):
+        if any(not scored(run, task, spec) for task in tasks):
             todo.setdefault(run.info.run_id, (cell, run))
     return list(todo.values())
 
@@ -202,22 +208,22 @@ def evaluate_missing(
         return 0, 0
     runnable = runnable_tasks(spec)
     held = [t for t in spec.tasks if t not in runnable]
-    if held and missing_scores(tracker, cells, held):
+    if held and missing_scores(tracker, cells, held, spec):
         out(
             f"warning: {', '.join(held)} not scored: it runs model-generated code; "
             f"set {OPT_IN}=1 to run it, confined ({limits_line(TIMEOUT_S)})"
         )
-    todo = missing_scores(tracker, cells, runnable)
+    todo = missing_scores(tracker, cells, runnable, spec)
     if todo:
         prepare_lm_eval(spec)
     code = [t for t in runnable if t in CODE_TASKS]
-    if code and any(not scored(run.data.metrics, t) for _, run in todo for t in code):
+    if code and any(not scored(run, t, spec) for _, run in todo for t in code):
         out(f"warning: {OPT_IN}=1: {', '.join(code)} runs model-generated code: {limits_line(TIMEOUT_S)}")
     failed = 0
     for i, (cell, run) in enumerate(todo, start=1):
         prefix = f"[eval {i}/{len(todo)}] {cell.row.id} s{cell.seed}"
         checkpoint = Path(run.data.tags.get("checkpoint", ""))
-        tasks = [t for t in runnable if not scored(run.data.metrics, t)]
+        tasks = [t for t in runnable if not scored(run, t, spec)]
         try:
             if checkpoint.name != "final.ckpt" or not checkpoint.is_file():
                 raise FileNotFoundError(f"no final checkpoint at {checkpoint}")
@@ -229,6 +235,8 @@ def evaluate_missing(
             out(f"{prefix} FAILED: {type(err).__name__}: {err}")
             continue
         tracker.log_metrics(run.info.run_id, scores, step=cell.config.train.max_steps)
+        for task in tasks:  # after the scores: a tag never vouches for a score not yet written
+            tracker.client.set_tag(run.info.run_id, bench_recipe_tag(task), spec.recipe(task))
         shown = [(t, bench_score_key(t, scores)) for t in tasks]
         out(
             f"{prefix}: " + ", ".join(f"{t} {bench_metric_name(t, k)} {scores[k]:.3f}" for t, k in shown if k)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
+from experiments import names as N
 from experiments.config import GateConfig, to_dict
 from experiments.names import Status, current_key
 from sweep.grid import Grid, Row
@@ -50,11 +53,25 @@ def current_runs(grid: Grid, scale: str, runs: list, seeds: list[int] | None = N
         seen.add(key)
         current += [(r, row, seed) for row, seed in cells[key]]
     current = _trained_from_current_parents(grid, current)
-    return runs_frame([r for r, _, _ in current]).assign(
+    return runs_frame([r for r, _, _ in current], _stale_scores(grid)).assign(
         row=[row.id for _, row, _ in current],
         label=[row.label for _, row, _ in current],
         seed=[seed for _, _, seed in current],
     )
+
+
+def _stale_scores(grid: Grid) -> Callable[[Any], set[str]]:
+    """The metric keys of a run that are benchmark scores made with another recipe than the
+    grid's (``sweep.evalspec.EvalConfig.recipe``): left out of the tables until ``make eval``
+    scores the run again."""
+    recipes = {task: grid.eval.recipe(task) for task in grid.eval.tasks}
+
+    def stale(run: Any) -> set[str]:
+        tags = run.data.tags
+        old = [N.bench_prefix(t) for t, made in recipes.items() if tags.get(N.bench_recipe_tag(t)) != made]
+        return {k for k in run.data.metrics if k.startswith(tuple(old))} if old else set()
+
+    return stale
 
 
 def _trained_from_current_parents(grid: Grid, current: list) -> list:
@@ -103,12 +120,12 @@ def one_arithmetic(runs: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     return runs[runs["arithmetic"] == kept], runs[runs["arithmetic"] != kept]
 
 
-def runs_frame(runs: list) -> pd.DataFrame:
+def runs_frame(runs: list, left_out: Callable[[Any], set[str]] | None = None) -> pd.DataFrame:
     """MLflow runs (``mlflow.search_runs(..., output_format="list")`` or the client's) as one
     line per run: ``row``, ``label``, ``seed``, ``run_id``, ``status``, ``gate`` (see
     :func:`gate_signature`), ``arithmetic``, ``git_commit`` and ``numbers`` (None when the run
     has no such tag) and every metric under its MLflow key (older runs' per-layer keys
-    renamed, ``experiments.names.current_key``)."""
+    renamed, ``experiments.names.current_key``), but those ``left_out(run)`` names."""
     records = [
         {
             "row": r.data.tags.get("row"),
@@ -120,9 +137,10 @@ def runs_frame(runs: list) -> pd.DataFrame:
             "arithmetic": arithmetic(r.data.tags),
             "git_commit": r.data.tags.get("git_commit"),  # the code it was trained with
             "numbers": r.data.tags.get("numbers"),  # experiments.numerics.NUMBERS_VERSION then
-            **{current_key(k): v for k, v in r.data.metrics.items()},
+            **{current_key(k): v for k, v in r.data.metrics.items() if k not in dropped},
         }
         for r in runs
+        for dropped in [left_out(r) if left_out else set()]
     ]
     return pd.DataFrame.from_records(records, columns=FRAME_COLUMNS if not records else None)
 
