@@ -347,6 +347,10 @@ class TrainConfig:
                 "diverge_factor",
                 f"must exceed 1 (the loss at initialisation is ln V), got {self.diverge_factor}",
             )
+        if self.max_steps > MAX_STEPS:  # each step's windows are drawn up front (experiments.data)
+            raise ConfigError("max_steps", f"must be at most {MAX_STEPS:,}, got {self.max_steps:,}")
+        if not self.max_lr > 0:
+            raise ConfigError("max_lr", f"must be positive, got {self.max_lr}")
         if not 0 < self.min_lr <= self.max_lr:
             raise ConfigError("min_lr", f"must be in (0, max_lr={self.max_lr}], got {self.min_lr}")
         if not 0 <= self.warmup_steps < self.max_steps:
@@ -361,6 +365,11 @@ class TrainConfig:
                 f"the global batch {self.batch_size} does not split into train.devices x num_nodes x "
                 f"grad_accum = {self.devices} x {self.num_nodes} x {self.grad_accum} = {parts} equal batches",
             )
+
+
+#: The most optimiser steps a cell may take: the paper's runs take about 10^5, and the training
+#: windows of every step are drawn when the cell starts (8 bytes a window).
+MAX_STEPS = 10**8
 
 
 @dataclass(frozen=True)

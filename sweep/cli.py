@@ -92,14 +92,14 @@ def _main(argv: list[str] | None) -> int:
     # Imported here, not at the top: a Ctrl-C while they load (a second or so) is then one line.
     from experiments.corpus import CorpusDamaged, CorpusError
     from experiments.names import Outcome
-    from sweep.grid import load_grid
+    from sweep.grid import MAX_SEEDS, load_grid
     from sweep.gridfile import GridError
     from sweep.run.slurm import LauncherError, launcher_for
     from sweep.store import TrackingError
 
     args = parser(__doc__.splitlines()[0]).parse_args(argv)
-    if args.seeds is not None and args.seeds < 1:
-        print("error: --seeds must be at least 1", file=sys.stderr)
+    if args.seeds is not None and not 1 <= args.seeds <= MAX_SEEDS:
+        print(f"error: --seeds must be 1 to {MAX_SEEDS}, got {args.seeds}", file=sys.stderr)
         return 2
     if getattr(args, "launcher", "local") != "local" and args.workers == "auto":
         print(f"error: --launcher {args.launcher} needs --workers N (the number of jobs)", file=sys.stderr)

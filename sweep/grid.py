@@ -52,6 +52,7 @@ class Sections:
 #: Characters a label or title may not hold: Markdown reads ``<``, ``>`` as HTML, matplotlib
 #: reads ``$`` as the start of math (an unpaired one fails the figure after training).
 _MARKUP = "<>$"
+MAX_SEEDS = 1000  # a count beyond any study's, and beyond what the cell list holds in memory
 
 
 def check_shown_text(key: str, text: str) -> None:
@@ -154,18 +155,21 @@ class GridSpec:
         if not self.rows:
             raise ConfigError("rows", "must be a non-empty list of rows")
         seeds = self.seeds
-        if isinstance(seeds, int) and not isinstance(seeds, bool) and seeds > 0:
+        if isinstance(seeds, int) and not isinstance(seeds, bool) and 0 < seeds <= MAX_SEEDS:
             object.__setattr__(self, "seeds", tuple(range(seeds)))
         elif (
             isinstance(seeds, list)
-            and seeds
+            and 0 < len(seeds) <= MAX_SEEDS
             and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)
             and len(set(seeds)) == len(seeds)
         ):
             object.__setattr__(self, "seeds", tuple(seeds))
         else:
+            shown = f"a list of {len(seeds)}" if isinstance(seeds, list) and len(seeds) > 10 else repr(seeds)
             raise ConfigError(
-                "seeds", f"must be a positive count or a list of distinct integers >= 0, got {seeds!r}"
+                "seeds",
+                f"must be a count of 1 to {MAX_SEEDS} or a list of at most {MAX_SEEDS} distinct integers "
+                f">= 0, got {shown}",
             )
         ladder = list(self.lr_ladder)
         if any(lr <= 0 for lr in ladder) or ladder != sorted(set(ladder)):

@@ -137,7 +137,12 @@ def read_yaml(file: Path) -> Any:
     except UnicodeDecodeError as err:
         bad = err.object[err.start]
         raise GridError(file, f"is not UTF-8 text (byte {err.start} is {bad:#04x})") from None
-    loader = _GridLoader(text)
+    try:
+        loader = _GridLoader(text)  # refuses characters YAML does not allow (a NUL byte) here
+    except yaml.reader.ReaderError as err:
+        where = f"line {text.count(chr(10), 0, err.position) + 1}"
+        code = err.character if isinstance(err.character, int) else ord(err.character)
+        raise GridError(file, f"malformed YAML: {where}: character U+{code:04X} is not allowed") from None
     try:
         node = loader.get_single_node()
         if node is None:
@@ -149,6 +154,10 @@ def read_yaml(file: Path) -> Any:
         line = f"line {mark.line + 1}: " if mark else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise GridError(file, f"malformed YAML: {line}{problem}") from None
+    except RecursionError:  # PyYAML composes and constructs recursively
+        raise GridError(file, "is nested too deeply (a grid needs a few levels)") from None
+    except ValueError as err:  # a value YAML reads but Python cannot hold: an int of 5,000 digits
+        raise GridError(file, f"malformed YAML: {str(err).splitlines()[0].split('; ')[0]}") from None
     finally:
         loader.dispose()
 

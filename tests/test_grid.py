@@ -321,6 +321,9 @@ UNTRAINABLE = [  # (section, key, value): each trained to a failed or meaningles
     ("model", "rope_theta", 1),
     ("model", "init_std", -0.02),
     ("model", "max_seq_len", 0),
+    ("train", "max_lr", 0),  # was blamed on min_lr
+    ("train", "max_lr", -0.001),
+    ("train", "max_steps", 10**29),  # loaded, then failed its cell in numpy
 ]
 
 
@@ -334,7 +337,7 @@ def test_a_value_that_cannot_train_is_refused_at_grid_load(
     with pytest.raises(GridError) as err:
         load_grid(path)
     assert (err.value.file, err.value.row, err.value.path) == (str(path), "x", f"{section}.{key}")
-    assert str(value) in str(err.value)
+    assert str(value) in str(err.value) or f"{value:,}" in str(err.value)
 
 
 def test_a_grid_path_that_is_not_a_regular_file_is_one_line(
@@ -397,10 +400,38 @@ def test_row_errors_name_the_scale(tmp_path: Path) -> None:
         load_grid(write(tmp_path, text))
 
 
-@pytest.mark.parametrize("seeds", ["[0, 0]", "[-1]", "0", "[a]"])
+@pytest.mark.parametrize("seeds", ["[0, 0]", "[-1]", "0", "[a]", "100000000", str(list(range(1001)))])
 def test_bad_seeds_are_rejected(tmp_path: Path, seeds: str) -> None:
-    with pytest.raises(GridError, match="seeds: must be a positive count or a list of distinct integers"):
-        load_grid(write(tmp_path, f"seeds: {seeds}\n" + GOOD))
+    with pytest.raises(
+        GridError, match="seeds: must be a count of 1 to 1000 or a list of at most 1000 distinct"
+    ):
+        load_grid(write(tmp_path, f"seeds: {seeds}\n" + GOOD))  # 10^8 seeds hung, filling the memory
+
+
+def test_too_many_seeds_on_the_command_line_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    assert main(["sweep", "--grid", str(write(tmp_path, GOOD)), "--seeds", "100000000"]) == 2
+    assert capsys.readouterr().err == "error: --seeds must be 1 to 1000, got 100000000\n"
+
+
+GRIDS_YAML_CANNOT_READ = {  # (text, the one line's end): each was a traceback
+    "nul": ("name: x\n\0\n", "malformed YAML: line 2: character U+0000 is not allowed"),
+    "deep": ("x: " + "[" * 600 + "]" * 600 + "\n", "is nested too deeply (a grid needs a few levels)"),
+    "huge int": ("x: " + "9" * 5000 + "\n", "malformed YAML: Exceeds the limit (4300 digits) for integer"),
+}
+
+
+@pytest.mark.parametrize("case", GRIDS_YAML_CANNOT_READ)
+def test_yaml_python_cannot_read_is_one_line(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    text, end = GRIDS_YAML_CANNOT_READ[case]
+    path = tmp_path / "grid.yaml"
+    path.write_text(text)
+    assert main(["params", "--grid", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}: {end}") and err.count("\n") == 1
 
 
 def test_unknown_paper_table_is_rejected_before_training(tmp_path: Path) -> None:
