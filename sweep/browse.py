@@ -121,9 +121,8 @@ def _dashboard(results: Path, port: int) -> int:
         return 2
     try:
         storage = make_storage(url)  # creates the tables of a new file, as the sweep would
-    except Exception as err:  # a server that does not answer, a file that is not a database
-        detail = hide_password((str(err).strip().splitlines() or [""])[0])
-        print(f"error: storage {hide_password(url)}: {type(err).__name__}: {detail}", file=sys.stderr)
+    except TrackingError as err:  # no driver, a server that does not answer, not a database
+        print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"optuna-dashboard on {hide_password(url)}: open http://127.0.0.1:{port}/", flush=True)
     try:

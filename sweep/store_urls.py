@@ -22,7 +22,11 @@ def hide_password(text: str) -> str:
 
 
 class TrackingError(RuntimeError):
-    """The tracking store cannot be reached or written."""
+    """The tracking store (or the Optuna storage) cannot be reached or written; its message has
+    the password of any URL in it hidden (:func:`hide_password`)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(hide_password(message))
 
 
 #: Characters a database URL reads as syntax (query, fragment, escape), whatever the quoting:

@@ -17,8 +17,8 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy import event
 
 from experiments.names import TrialOutcome
-from sweep.sqlite_lock import creation_lock
-from sweep.store_urls import sqlite_url
+from sweep.sqlite_lock import LockTimeout, creation_lock
+from sweep.store_urls import TrackingError, sqlite_url
 
 HEARTBEAT_S = 30
 DIVERGED_ATTR = "diverged"  # the user attribute (its reason) of an LR-search trial pruned for diverging
@@ -57,21 +57,32 @@ def make_storage(url: str, heartbeat_s: int | None = None, max_retry: int = 1) -
 
     Raises:
         sweep.sqlite_lock.LockTimeout: another process held the set-up lock for minutes.
+        sweep.store_urls.TrackingError: the storage cannot be opened (no driver, no server, not
+            a database); one line, the password hidden.
     """
     heartbeat_s = heartbeat_s or HEARTBEAT_S
     sqlite = url.startswith("sqlite")
     engine = {"connect_args": {"timeout": 300, "isolation_level": None}} if sqlite else None
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-    with creation_lock(url):  # RDBStorage creates the tables and stamps the schema version
-        storage = optuna.storages.RDBStorage(
-            url,
-            engine_kwargs=engine,
-            heartbeat_interval=heartbeat_s,
-            grace_period=3 * heartbeat_s,
-            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
-                max_retry=max_retry
-            ),
-        )
+    try:
+        with creation_lock(url):  # RDBStorage creates the tables and stamps the schema version
+            storage = optuna.storages.RDBStorage(
+                url,
+                engine_kwargs=engine,
+                heartbeat_interval=heartbeat_s,
+                grace_period=3 * heartbeat_s,
+                heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
+                    max_retry=max_retry
+                ),
+            )
+    except LockTimeout:
+        raise
+    except ModuleNotFoundError as err:  # the URL's driver: psycopg for postgresql+psycopg
+        hint = " (make servers-setup installs psycopg)" if "psycopg" in str(err.name) else ""
+        raise TrackingError(f"Optuna storage {url}: its driver {err.name} is not installed{hint}") from None
+    except Exception as err:  # a server that refuses, a file that is not a database
+        detail = (str(err).strip().splitlines() or [""])[0][:300]
+        raise TrackingError(f"Optuna storage {url} is not usable: {type(err).__name__}: {detail}") from None
     if sqlite:
         event.listen(storage.engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
     return storage
