@@ -135,7 +135,10 @@ def _main(argv: list[str] | None) -> int:
             cluster = args.command == "sweep" and args.launcher != "local"  # it sizes the jobs
             check_runnable(grid, cells, None if cluster else group.num_nodes if group else 1)
         _writable(results)
-        from sweep.report.write import write_tables
+        from sweep.report.write import refuse_a_lost_store, table_paths, write_tables
+
+        if args.command in ("tables", "eval"):  # before anything opens (and so creates) the store
+            refuse_a_lost_store(results, table_paths(grid, args.scale, results)["md"])
 
         if args.command == "tune":
             return _tune(args, grid, cells, results)

@@ -126,8 +126,9 @@ def gate_score_figure(runs: pd.DataFrame, client) -> Figure | None:
     for name, gate in FIGURE3_GATES.items():
         chosen = runs[runs["gate"] == gate]
         hist = gate_histogram(client, list(chosen["run_id"])) if len(chosen) else None
-        if hist is not None:
-            panels.append((name, hist, float(chosen[N.GATE_SCORE_MEAN].mean())))
+        if hist is not None:  # the mean line only where the runs logged it (NaN: none drawn)
+            mean = chosen[N.GATE_SCORE_MEAN].mean() if N.GATE_SCORE_MEAN in chosen else float("nan")
+            panels.append((name, hist, float(mean)))
     if not panels:
         return None
     fig = Figure(figsize=(3.2 * len(panels), 3.2), layout="constrained")
@@ -135,7 +136,8 @@ def gate_score_figure(runs: pd.DataFrame, client) -> Figure | None:
     for ax, (name, (counts, edges), mean) in zip(axes, panels):
         density = counts / counts.sum()
         ax.stairs(density, edges, fill=True, alpha=0.6)
-        ax.axvline(mean, color="black", ls="--", lw=1)
+        if mean == mean:
+            ax.axvline(mean, color="black", ls="--", lw=1)
         ax.set(title=f"{name}\nmean {mean:.3f}", xlabel="gate score", xlim=(0, 1))
     axes[0].set_ylabel("share of scores")
     return fig
@@ -157,7 +159,8 @@ def draw_curve_figures(
     """The learning curves (validation Avg PPL, ``mean``: :func:`sweep.report.curves.mean_curves`)
     and, where the runs were probed during training (``train.probe_every``), F-Attn and M-Act
     over training (mean over seeds; F-Attn beside its floor), by name."""
-    drawn = {"curves": curves_figure(mean, grid)}
+    drawn: dict[str, Figure | None] = {"curves": curves_figure(mean, grid)}
+    drawn |= dict.fromkeys(("first_token_attention_over_training", "massive_activation_over_training"))
     if len(runs):
         for name, key, label in (
             ("first_token_attention_over_training", N.F_ATTN, "F-Attn (mean over layers)"),

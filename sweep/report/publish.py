@@ -37,6 +37,7 @@ class Staging:
         remove_stale(results_dir)
         self.folder = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}@{_HOST}-", dir=self.results_dir))
         self._files: dict[Path, Path] = {}  # final path -> staged path
+        self._removed: set[Path] = set()  # final paths this report no longer has
 
     def _staged(self, final: Path) -> Path:
         relative = final.resolve().relative_to(self.results_dir)
@@ -55,19 +56,30 @@ class Staging:
         fig.savefig(self._staged(final), dpi=dpi)
         return final
 
+    def remove(self, final: Path) -> None:
+        """Have :meth:`publish` remove ``final``: a file an earlier report wrote that this one has
+        nothing for (curves of runs since gone), which would otherwise sit beside the new table."""
+        self._removed.add(final)
+
     def publish(self) -> list[Path]:
-        """Move every staged file to its final path with SIGINT and SIGTERM blocked (delivered
-        once all are in place); return the final paths."""
-        with _signals_held():
-            for final, staged in self._files.items():
-                final.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(staged, final)
-        shutil.rmtree(self.folder, ignore_errors=True)
+        """Move every staged file to its final path, and remove those :meth:`remove` named, with
+        SIGINT and SIGTERM blocked (delivered once all are in place); return the final paths. The
+        staging folder is removed whatever happens."""
+        try:
+            with _signals_held():
+                for final, staged in self._files.items():
+                    final.parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(staged, final)
+                for final in self._removed - set(self._files):
+                    final.unlink(missing_ok=True)
+        finally:
+            shutil.rmtree(self.folder, ignore_errors=True)
         return list(self._files)
 
     def discard(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
         self._files.clear()
+        self._removed.clear()
 
     def __enter__(self) -> Staging:
         return self

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -23,13 +24,39 @@ from sweep.report.manifest import provenance, provenance_line, stage_manifest
 from sweep.report.publish import Staging
 from sweep.report.runs import finished_runs, one_arithmetic
 from sweep.report.tables import bench_columns, build_table
-from sweep.store import Tracker, experiment_name, tracking_uri
+from sweep.store import Tracker, TrackingError, experiment_name, tracking_uri
 
 
 def table_paths(grid: Grid, scale: str, results_dir: Path) -> dict[str, Path]:
     """``results/<grid>.{md,csv,tex}`` at the default ``tiny`` scale, ``<grid>_<scale>.*`` otherwise."""
     stem = grid.name if scale == "tiny" else f"{grid.name}_{scale}"
     return {ext: results_dir / f"{stem}.{ext}" for ext in ("md", "csv", "tex")}
+
+
+def refuse_a_lost_store(results_dir: Path, md: Path) -> None:
+    """Refuse to report from a SQLite store that is missing or empty (deleted, or cut to nothing)
+    while the table ``md`` was made from runs (its manifest says how many): the report would
+    replace it with "not run" rows. A store that never held runs reports them as "not run".
+
+    Raises:
+        TrackingError: one line naming the store and the table.
+    """
+    uri = tracking_uri(results_dir)
+    if not uri.startswith("sqlite:///"):
+        return
+    db = Path(uri.removeprefix("sqlite:///"))
+    if (db.is_file() and db.stat().st_size > 0) or not md.is_file():
+        return
+    try:
+        runs = json.loads(md.with_name(f"{md.stem}.manifest.json").read_text()).get("runs", 0)
+    except (OSError, ValueError, AttributeError):
+        return
+    if runs:
+        raise TrackingError(
+            f"tracking store {db} is {'empty' if db.exists() else 'missing'}, but {md} was made from "
+            f"{runs} run(s): not replaced by an empty table (restore the store, or delete {md.name} "
+            "to write one)"
+        )
 
 
 def write_tables(
@@ -42,6 +69,7 @@ def write_tables(
     Returns:
         The written paths by extension (tables) and by name (figures).
     """
+    refuse_a_lost_store(results_dir, table_paths(grid, scale, results_dir)["md"])
     runs, left_out = one_arithmetic(finished_runs(grid, scale, results_dir, seeds))
     left_note = _left_out_note(grid, scale, runs, left_out)
     if left_note:
@@ -62,22 +90,41 @@ def write_tables(
         staging.text(paths["md"], markdown(grid, scale, table, shown, command, origin) + left_note)
         staging.text(paths["csv"], table.to_csv(index=False, float_format="%.6g"))
         staging.text(paths["tex"], shown.to_latex(index=False, escape=True))
-        if not mean.empty:
-            paths["curves_md"] = staging.text(
-                results_dir / f"{stem}_curves.md", curves_markdown(grid, scale, mean, command)
-            )
-            paths["curves_csv"] = staging.text(
-                results_dir / f"{stem}_curves.csv", mean.to_csv(float_format="%.6g")
-            )
-        drawn = {**draw_figures(runs, tracker.client), **draw_curve_figures(grid, runs, mean, tracker.client)}
-        for name, fig in drawn.items():
-            if fig is not None:
-                figures[name] = staging.figure(results_dir / "figures" / f"{stem}_{name}.png", fig)
+        curves_md, curves_csv = results_dir / f"{stem}_curves.md", results_dir / f"{stem}_curves.csv"
+        if mean.empty:  # no run to draw from now: an earlier report's curves are not this table's
+            staging.remove(curves_md)
+            staging.remove(curves_csv)
+        else:
+            paths["curves_md"] = staging.text(curves_md, curves_markdown(grid, scale, mean, command))
+            paths["curves_csv"] = staging.text(curves_csv, mean.to_csv(float_format="%.6g"))
+        for name, fig in _drawn(runs, mean, grid, tracker).items():
+            path = results_dir / "figures" / f"{stem}_{name}.png"
+            if fig is None:
+                staging.remove(path)
+            else:
+                figures[name] = staging.figure(path, fig)
         paths["manifest"] = stage_manifest(
             staging, paths["md"], command, [*paths.values(), *figures.values()], runs
         )
     store_copies(tracker, paths, figures)
     return {**paths, **figures}
+
+
+def _drawn(runs: pd.DataFrame, mean: pd.DataFrame, grid: Grid, tracker: Tracker) -> dict:
+    """Every figure of a table by name, None where the runs do not support it or where drawing
+    failed (a run without a metric the figure reads): one warning line, never the tables."""
+    drawers = {
+        "figures": lambda: draw_figures(runs, tracker.client),
+        "curve figures": lambda: draw_curve_figures(grid, runs, mean, tracker.client),
+    }
+    drawn: dict = {}
+    for what, draw in drawers.items():
+        try:
+            drawn.update(draw())
+        except Exception as err:  # the report never crashes after the cells trained
+            first = (str(err).strip().splitlines() or [""])[0][:200]
+            print(f"warning: {what} not drawn: {type(err).__name__}: {first}", file=sys.stderr)
+    return drawn
 
 
 def write_longctx_tables(
