@@ -20,7 +20,7 @@ import sweep.studies
 from experiments.lit import LMModule
 from sweep.cli import main
 from sweep.grid import load_grid
-from sweep.run import search, tune
+from sweep.run import ladder, search, tune
 from sweep.run.tune import StepPruningCallback, study_name, tune_row
 from sweep.store import Tracker, tracking_uri
 from sweep.studies import make_storage, storage_url
@@ -232,13 +232,18 @@ def test_a_ladder_rerun_trains_only_missing_rungs_and_rejects_another_ladder() -
         params={"max_lr": 4e-3}, distributions={"max_lr": rungs}, state=TrialState.FAIL
     )
     study.add_trial(failed)
-    assert tune._unvisited(study, [2e-3, 4e-3, 8e-3]) == [4e-3, 8e-3]  # a failed rung is run again
+    assert ladder.unvisited(study, [2e-3, 4e-3, 8e-3]) == [4e-3, 8e-3]  # a failed rung is run again
     with pytest.raises(ValueError, match="another ladder"):
-        tune._unvisited(study, [1e-3, 8e-3])
+        ladder.unvisited(study, [1e-3, 8e-3])
 
 
 @pytest.mark.slow
-def test_ctrl_c_in_an_lr_search_fails_the_trial_cleanly_and_a_rerun_completes_the_budget(setup: dict) -> None:
+@pytest.mark.parametrize("command", ["tune", "stability"])
+def test_ctrl_c_in_an_lr_search_fails_the_trial_cleanly_and_a_rerun_completes_the_budget(
+    setup: dict, command: str
+) -> None:
+    """The stability ladder's rerun once trained 2 of 3 rungs: Optuna's GridSampler counted the
+    failed rung as visited and stopped the study."""
     import signal
 
     from conftest import start_slow_cli, wait_for_checkpoint
@@ -249,25 +254,31 @@ def test_ctrl_c_in_an_lr_search_fails_the_trial_cleanly_and_a_rerun_completes_th
         )
     )
     results = setup["results"]
-    args = ["tune", "--grid", str(setup["path"]), "--results", str(results), "--trials", "2"]
+    args = [command, "--grid", str(setup["path"]), "--results", str(results)]
+    args += ["--trials", "2"] if command == "tune" else ["--ladder", "2e-3,4e-3"]
     proc = start_slow_cli(args)
     wait_for_checkpoint(results, 5, [proc])
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out
     assert out.strip().splitlines()[-1] == (
-        "tune interrupted: the running trial stopped and does not count; "
+        f"{command} interrupted: the running trial stopped and does not count; "
         "run the same command again to complete the budget"
     )
+    assert "Traceback" not in out and "failed with parameters" not in out  # Optuna's own report
     grid = load_grid(setup["path"])
-    name = study_name(grid, "tiny", grid.rows[0])
+    name = study_name(grid, "tiny", grid.rows[0], ladder=command == "stability")
     study = optuna.load_study(study_name=name, storage=storage_url(results, None))
-    assert [t.state for t in study.trials] == [TrialState.FAIL]  # not left RUNNING
+    queued = [TrialState.WAITING] if command == "stability" else []  # the ladder's next rung
+    assert [t.state for t in study.trials] == [TrialState.FAIL, *queued]  # not left RUNNING
     run = MlflowClient(tracking_uri(results)).get_run(study.trials[0].user_attrs["mlflow_run_id"])
     assert (run.info.status, run.data.tags["status"]) == ("KILLED", "killed")
     assert main(args) == 0  # the rerun, at once: no stale RUNNING trial holds the budget
-    states = [t.state for t in optuna.load_study(study_name=name, storage=storage_url(results, None)).trials]
+    trials = optuna.load_study(study_name=name, storage=storage_url(results, None)).trials
+    states = [t.state for t in trials]
     assert states.count(TrialState.COMPLETE) + states.count(TrialState.PRUNED) == 2
+    if command == "stability":  # every rung trained, the one the Ctrl-C failed included
+        assert sorted(t.params["max_lr"] for t in trials if t.state != TrialState.FAIL) == [2e-3, 4e-3]
 
 
 def test_a_study_made_anew_under_an_old_name_gets_a_parent_run_of_its_own(setup: dict) -> None:

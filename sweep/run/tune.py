@@ -42,6 +42,7 @@ from experiments.stability import Diverged
 from sweep.grid import Cell, Grid, Row, run_key
 from sweep.run.cell import checkpoint_dir, train_cell
 from sweep.run.interrupt import Interrupted, StopOnRequest, StopRequest
+from sweep.run.ladder import COUNTED, enqueue_rungs, unvisited
 from sweep.run.progress import ProgressPrinter, SweepClock
 from sweep.run.runner import pin_threads, quiet_lightning
 from sweep.run.sysmetrics import system_metrics
@@ -58,8 +59,6 @@ from sweep.studies import (
     storage_url,
     trial_outcome,
 )
-
-COUNTED = (TrialState.COMPLETE, TrialState.PRUNED)  # trials that use up the budget
 
 
 class StepPruningCallback(pl.Callback):
@@ -145,19 +144,6 @@ def trial_cell(grid: Grid, scale: str, row: Row, lr: float, seed: int = 0) -> Ce
     return Cell(grid.name, scale, row, seed, cfg, run_key(cfg))
 
 
-def _unvisited(study: optuna.Study, ladder: list[float]) -> list[float]:
-    """Rungs of ``ladder`` with no complete or pruned trial yet.
-
-    Raises:
-        ValueError: the study already holds trials of another ladder.
-    """
-    tried = {t.params["max_lr"] for t in study.get_trials(deepcopy=False) if "max_lr" in t.params}
-    if tried - set(ladder):
-        raise ValueError(f"study {study.study_name} was run with another ladder: {sorted(tried)}")
-    done = {t.params["max_lr"] for t in study.get_trials(deepcopy=False, states=COUNTED)}
-    return [lr for lr in ladder if lr not in done]
-
-
 def make_pruner(ladder: list[float] | None, max_steps: int) -> optuna.pruners.BasePruner:
     """The study's pruner: none for a fixed ladder (every rung trains to the end or diverges, so
     each has a final loss), else a median pruner that decides from the third trial on and never in
@@ -168,9 +154,10 @@ def make_pruner(ladder: list[float] | None, max_steps: int) -> optuna.pruners.Ba
 
 
 def _sampler(ladder: list[float] | None, seed: int) -> optuna.samplers.BaseSampler:
-    if ladder:
-        return optuna.samplers.GridSampler({"max_lr": ladder}, seed=seed)
-    return optuna.samplers.TPESampler(seed=seed)
+    # A ladder's rungs are enqueued (:func:`sweep.run.ladder.enqueue_rungs`), so its sampler is never asked.
+    # Optuna's GridSampler counts a failed trial's point as visited and stops the study once
+    # every point was tried, so a rung whose trial a Ctrl-C failed was never trained again.
+    return optuna.samplers.RandomSampler(seed=seed) if ladder else optuna.samplers.TPESampler(seed=seed)
 
 
 def tune_row(
@@ -233,7 +220,8 @@ def tune_row(
     # LRs it already tried.
     study.sampler = _sampler(ladder, seed=len(study.get_trials(deepcopy=False)))
     if ladder:
-        todo = min(todo, len(_unvisited(study, ladder)))
+        todo = min(todo, len(unvisited(study, ladder)))
+        enqueue_rungs(study, ladder)
     out(f"study {name}: {done} of {trials} trials done, {todo} to run; storage {shown}")
     clock = SweepClock(todo)
 
@@ -338,11 +326,12 @@ class SurplusTrial(Exception):
 
 
 class _HideSurplus(logging.Filter):
-    """Drops Optuna's "Trial N failed ..." warning and traceback for a :class:`SurplusTrial`: the
-    worker says why in one line of its own."""
+    """Drops Optuna's "Trial N failed ..." warning and traceback for a :class:`SurplusTrial` or a
+    trial a Ctrl-C / SIGTERM stopped: the worker says why in one line of its own."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and isinstance(record.exc_info[1], SurplusTrial))
+        # a trial a signal stopped (KeyboardInterrupt) also says so in a line of its own
+        return not (record.exc_info and isinstance(record.exc_info[1], (SurplusTrial, KeyboardInterrupt)))
 
 
 def beyond_budget(study: optuna.Study, number: int, budget: int) -> bool:
