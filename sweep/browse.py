@@ -56,6 +56,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "dashboard":
         return _dashboard(results, args.port)
     try:
+        return _browse(args, results)
+    except KeyboardInterrupt:  # Ctrl-C while the store is read or the figure drawn: one line
+        print(f"{args.command} interrupted", file=sys.stderr)
+        return 130
+
+
+def _browse(args: argparse.Namespace, results: Path) -> int:
+    try:
         grid = load_grid(args.grid)
         grid.cells(args.scale)  # the scale exists
         uri = tracking_uri(results)

@@ -65,27 +65,34 @@ def _command_line() -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; see the module docstring for the exit status."""
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, _interrupt_once) if main_thread else None
+    handled = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, _interrupt_once) for sig in handled} if main_thread else {}
     try:
         return _main(argv)
-    except KeyboardInterrupt:  # outside training (which StopRequest handles): loading, scoring, tables
+    except KeyboardInterrupt as err:  # outside training (which StopRequest handles): loading, scoring, tables
         command = next(iter(argv if argv is not None else sys.argv[1:]), "sweep")
         print(
-            f"{command} interrupted: no table or figure was half-written; "
-            "run the same command again to finish",
+            f"{command} {'stopped by SIGTERM' if isinstance(err, _Terminated) else 'interrupted'}: no "
+            "table or figure was half-written; run the same command again to finish",
             file=sys.stderr,
         )
-        return 130
+        return 143 if isinstance(err, _Terminated) else 130
     finally:
-        if main_thread:
-            signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM outside training: unwinds as a Ctrl-C does (nothing half-written), exit 143."""
 
 
 def _interrupt_once(signum: int, frame: object) -> None:
-    """Ctrl-C outside training: a KeyboardInterrupt, and any further SIGINT ignored (``timeout``
-    and some shells signal the process and its group both) so the one line is all that is said."""
+    """Ctrl-C or SIGTERM outside training: a KeyboardInterrupt, and any further signal ignored
+    (``timeout`` and some shells signal the process and its group both) so the one line is all
+    that is said."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise _Terminated if signum == signal.SIGTERM else KeyboardInterrupt
 
 
 def _main(argv: list[str] | None) -> int:

@@ -101,3 +101,41 @@ def test_a_report_that_cannot_be_moved_into_place_leaves_no_staging_folder(
     (results / "micro.md").mkdir()  # a folder where the table goes
     assert main(["tables", *args]) != 0
     assert not list(results.glob(".staging-*"))
+
+
+def test_sigterm_while_the_report_is_written_is_one_line_and_143(
+    reported: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import os
+    import signal
+
+    import sweep.report.write as write
+
+    args, results = copy_of(reported, tmp_path)
+    before = report_files(results)
+
+    def terminated(*_args, **_kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's, while the figures are drawn
+
+    monkeypatch.setattr(write, "draw_figures", terminated)
+    assert main(["tables", *args]) == 143
+    assert capsys.readouterr().err == (
+        "tables stopped by SIGTERM: no table or figure was half-written; "
+        "run the same command again to finish\n"
+    )
+    assert report_files(results) == before and not list(results.glob(".staging-*"))
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back as it was
+
+
+def test_ctrl_c_in_compare_is_one_line_and_130(
+    reported: dict, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import sweep.browse as browse
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(browse, "write_compare", interrupted)
+    args = ["compare", "--grid", str(reported["grid"]), "--results", str(reported["results"])]
+    assert browse.main([*args, "--runs", "baseline,sdpa_elementwise"]) == 130
+    assert capsys.readouterr().err == "compare interrupted\n"
