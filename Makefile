@@ -24,7 +24,9 @@ TRIALS ?= 8
 # the stability ladder's max LRs, a,b,c (default: the grid's lr_ladder)
 LADDER ?=
 WORKERS ?= auto
-STORAGE ?=
+# the Optuna storage URL: STORAGE=... on make's command line, or GATED_ATTN_STORAGE in the
+# environment (which keeps a password out of make's own command line in ps as well)
+STORAGE ?= $(GATED_ATTN_STORAGE)
 # handed to sweep.cli through the environment, never its command line: make echoes commands, and
 # every user of the machine can read a process's command line (a password in the URL)
 export GATED_ATTN_STORAGE := $(STORAGE)

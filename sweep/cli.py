@@ -42,6 +42,8 @@ def _writable(results: Path) -> None:
         check_url_safe(results)
     except ValueError as err:
         raise UsageError(str(err)) from None
+    if results.exists() and not results.is_dir():
+        raise UsageError(f"{results}: the results folder is a file; name a folder (--results)")
     try:
         results.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=results):

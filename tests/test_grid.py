@@ -482,3 +482,13 @@ def test_a_cell_on_several_machines_is_refused_before_anything_starts(
     assert code == 2 and len(err.splitlines()) == 1
     assert err.startswith(f"error: {path}: row 'two': train.num_nodes: num_nodes = 2: a cell on several")
     assert not (tmp_path / "results").exists()
+
+
+def test_a_results_path_that_is_a_file_says_so(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    blocker = tmp_path / "results"
+    blocker.write_text("not a folder")
+    assert main(["tables", "--grid", str(write(tmp_path, GOOD)), "--results", str(blocker)]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"error: {blocker}: the results folder is a file; name a folder (--results)\n"
+    )
