@@ -328,7 +328,7 @@ class TrainConfig:
         check_literals(self)
         for name in (
             "max_steps", "batch_size", "seq_len", "val_every", "val_tokens", "log_every", "probe_seqs",
-            "spike_window", "spike_z", "diverge_factor", "devices", "num_nodes", "grad_accum",
+            "spike_window", "spike_z", "diverge_factor", "devices", "num_nodes", "grad_accum", "max_lr",
         ):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ConfigError(name, f"must be positive, got {getattr(self, name)}")
@@ -349,8 +349,6 @@ class TrainConfig:
             )
         if self.max_steps > MAX_STEPS:  # each step's windows are drawn up front (experiments.data)
             raise ConfigError("max_steps", f"must be at most {MAX_STEPS:,}, got {self.max_steps:,}")
-        if not self.max_lr > 0:
-            raise ConfigError("max_lr", f"must be positive, got {self.max_lr}")
         if not 0 < self.min_lr <= self.max_lr:
             raise ConfigError("min_lr", f"must be in (0, max_lr={self.max_lr}], got {self.min_lr}")
         if not 0 <= self.warmup_steps < self.max_steps:
@@ -367,9 +365,7 @@ class TrainConfig:
             )
 
 
-#: The most optimiser steps a cell may take: the paper's runs take about 10^5, and the training
-#: windows of every step are drawn when the cell starts (8 bytes a window).
-MAX_STEPS = 10**8
+MAX_STEPS = 10**8  # the paper's runs take about 10^5; every step's windows are drawn at the start
 
 
 @dataclass(frozen=True)
