@@ -75,7 +75,8 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
 
     Raises:
         FileNotFoundError: no such file.
-        CheckpointDamaged: its bytes are not the ones written; one line naming the file.
+        CheckpointDamaged: its bytes are not the ones written, or not a weights file; one line
+            naming the file.
     """
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
@@ -83,7 +84,14 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointDamaged(
             f"checkpoint {path} is {problem}: not used; train its cell again (FORCE=1 with its row in ROWS)"
         )
-    return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+    except Exception as err:  # whole by its record, yet not a weights file torch can read
+        detail = (str(err).strip().splitlines() or [""])[0][:200]
+        raise CheckpointDamaged(
+            f"checkpoint {path} cannot be read as weights ({type(err).__name__}: {detail}); "
+            "train its cell again (FORCE=1 with its row in ROWS)"
+        ) from None
 
 
 def step_checkpoint_name(step: int) -> str:

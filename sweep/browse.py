@@ -21,13 +21,8 @@ import os
 import sys
 from pathlib import Path
 
-from experiments.names import Kind
-from sweep.grid import load_grid
-from sweep.gridfile import GridError
-from sweep.report.compare import CompareError, load_side, write_compare
-from sweep.store import Tracker, TrackingError, experiment_name, tracking_uri
-from sweep.store_urls import STORAGE_ENV, hide_password
-from sweep.ui_view import runs_url
+# The harness's modules (MLflow, matplotlib, pandas: seconds to import) are imported inside
+# main, so a Ctrl-C while they load is one line too.
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -53,20 +48,26 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     results = Path(args.results)
-    if args.command == "dashboard":
-        return _dashboard(results, args.port)
     try:
+        if args.command == "dashboard":
+            return _dashboard(results, args.port)
         return _browse(args, results)
-    except KeyboardInterrupt:  # Ctrl-C while the store is read or the figure drawn: one line
+    except KeyboardInterrupt:  # Ctrl-C while modules load, the store is read or a figure drawn
         print(f"{args.command} interrupted", file=sys.stderr)
         return 130
 
 
 def _browse(args: argparse.Namespace, results: Path) -> int:
+    from sweep.grid import load_grid
+    from sweep.gridfile import GridError
+    from sweep.report.compare import CompareError
+    from sweep.store import Tracker, TrackingError, experiment_name, tracking_uri
+
     try:
         grid = load_grid(args.grid)
         grid.cells(args.scale)  # the scale exists
         uri = tracking_uri(results)
+        _existing(uri)
         tracker = Tracker(uri, experiment_name(grid.name, args.scale), results / "mlartifacts")
         if args.command == "compare":
             return _compare(args.runs, grid, args.scale, results, tracker)
@@ -76,10 +77,27 @@ def _browse(args: argparse.Namespace, results: Path) -> int:
         return 2
 
 
-def _compare(runs: str, grid, scale: str, results: Path, tracker: Tracker) -> int:
+def _existing(uri: str) -> None:
+    """Refuse a SQLite store that is missing or empty: browsing it would create an empty one,
+    which the next ``make tables`` would take for the real store.
+
+    Raises:
+        TrackingError: one line naming the file.
+    """
+    from sweep.store import TrackingError
+
+    db = Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+    if db is not None and not (db.is_file() and db.stat().st_size > 0):
+        state = "empty" if db.exists() else "missing"
+        raise TrackingError(f"tracking store {db} is {state}: nothing to browse (make sweep makes it)")
+
+
+def _compare(runs: str, grid, scale: str, results: Path, tracker) -> int:
     """Raises:
     CompareError: ``runs`` does not name two different rows or runs.
     """
+    from sweep.report.compare import CompareError, load_side, write_compare
+
     names = [n.strip() for n in runs.split(",") if n.strip()]
     if len(names) != 2 or names[0] == names[1]:
         raise CompareError(f"RUNS: give two different run ids or row ids, a,b; got {runs!r}")
@@ -89,7 +107,11 @@ def _compare(runs: str, grid, scale: str, results: Path, tracker: Tracker) -> in
     return 0
 
 
-def _ui(uri: str, tracker: Tracker, grid, scale: str, port: int, print_only: bool) -> int:
+def _ui(uri: str, tracker, grid, scale: str, port: int, print_only: bool) -> int:
+    from experiments.names import Kind
+    from sweep.store_urls import hide_password
+    from sweep.ui_view import runs_url
+
     served = uri.startswith(("http://", "https://"))
     base = uri if served else f"http://127.0.0.1:{port}"
     runs = tracker.client.search_runs([tracker.experiment_id], f"tags.kind = '{Kind.CELL}'", max_results=5000)
@@ -120,6 +142,7 @@ def _dashboard(results: Path, port: int) -> int:
     """Serve optuna-dashboard on 127.0.0.1:``port`` until Ctrl-C (then 130, one line)."""
     from optuna_dashboard import run_server
 
+    from sweep.store_urls import STORAGE_ENV, TrackingError, hide_password
     from sweep.studies import make_storage, storage_url
 
     try:

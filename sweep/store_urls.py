@@ -15,10 +15,16 @@ STORAGE_ENV = "GATED_ATTN_STORAGE"
 _PASSWORD = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)[^\s@/]+(?=@)")
 
 
+_QUERY_SECRET = re.compile(
+    r"(?P<head>[?&](?:password|passwd|pwd|token|access_token|secret|api_key|apikey)=)[^&\s'\"]+", re.I
+)
+
+
 def hide_password(text: str) -> str:
     """``text`` with the password of every URL in it replaced by ``***``
-    (``postgresql+psycopg://user:***@host/db``): what may be printed, written into a table or logged."""
-    return _PASSWORD.sub(r"\g<head>***", text)
+    (``postgresql+psycopg://user:***@host/db``, ``...?password=***``, ``...?token=***``): what may
+    be printed, written into a table or logged."""
+    return _QUERY_SECRET.sub(r"\g<head>***", _PASSWORD.sub(r"\g<head>***", text))
 
 
 class TrackingError(RuntimeError):

@@ -74,6 +74,16 @@ def test_a_damaged_checkpoint_is_named_and_never_loaded(kind: str, tmp_path: Pat
     assert "\n" not in str(err.value)
 
 
+def test_a_file_that_matches_a_forged_record_but_is_not_weights_is_one_line(tmp_path: Path) -> None:
+    path = saved(tmp_path)
+    path.write_bytes(os.urandom(path.stat().st_size))
+    sum_file(path).write_text(json.dumps({"bytes": path.stat().st_size, "sha256": file_sha256(path)}))
+    with pytest.raises(CheckpointDamaged) as err:
+        load_weights(path)
+    assert str(err.value).startswith(f"checkpoint {path} cannot be read as weights (")
+    assert "\n" not in str(err.value) and "weights_only=False" not in str(err.value)
+
+
 def test_a_checkpoint_from_before_the_record_is_checked_as_an_archive(tmp_path: Path) -> None:
     path = saved(tmp_path)
     sum_file(path).unlink()

@@ -131,11 +131,32 @@ def test_ctrl_c_in_compare_is_one_line_and_130(
     reported: dict, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     import sweep.browse as browse
+    import sweep.report.compare
 
     def interrupted(*_args, **_kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(browse, "write_compare", interrupted)
+    monkeypatch.setattr(sweep.report.compare, "write_compare", interrupted)
     args = ["compare", "--grid", str(reported["grid"]), "--results", str(reported["results"])]
     assert browse.main([*args, "--runs", "baseline,sdpa_elementwise"]) == 130
     assert capsys.readouterr().err == "compare interrupted\n"
+
+
+@pytest.mark.parametrize("command", ["compare", "ui"])
+def test_browsing_a_missing_store_does_not_create_an_empty_one(
+    command: str, reported: dict, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """An empty store made by ``make compare`` once let ``make tables`` wipe the table."""
+    from sweep.browse import main as browse
+
+    args, results = copy_of(reported, tmp_path)
+    (results / "mlflow.db").unlink()
+    more = ["--runs", "baseline,sdpa_elementwise"] if command == "compare" else ["--print-only"]
+    assert browse([command, *args, *more]) == 2
+    db = (results / "mlflow.db").resolve()
+    assert (
+        capsys.readouterr().err
+        == f"error: tracking store {db} is missing: nothing to browse (make sweep makes it)\n"
+    )
+    assert not db.exists()
+    assert main(["tables", *args]) == 2  # and the table made from the runs stays

@@ -29,6 +29,11 @@ URL = f"postgresql+psycopg://alice:{SECRET}@db.example:5432/sweeps"
         ("mysql://bob:pw@h/db and http://u:p@x:80/y", "mysql://bob:***@h/db and http://u:***@x:80/y"),
         ("sqlite:////tmp/results/optuna.db", "sqlite:////tmp/results/optuna.db"),  # nothing to hide
         ("postgresql://alice@host/db", "postgresql://alice@host/db"),  # a user, no password
+        (
+            "postgresql://alice@h:1/db?password=pw&sslmode=require",
+            "postgresql://alice@h:1/db?password=***&sslmode=require",
+        ),
+        ("https://u:pw@h/?token=t0k&x=1 done", "https://u:***@h/?token=***&x=1 done"),
     ],
 )
 def test_hide_password_replaces_only_the_password(text: str, shown: str) -> None:
