@@ -84,11 +84,10 @@ def _existing(uri: str) -> None:
     Raises:
         TrackingError: one line naming the file.
     """
-    from sweep.store import TrackingError
+    from sweep.store_urls import TrackingError, missing_sqlite_store
 
-    db = Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
-    if db is not None and not (db.is_file() and db.stat().st_size > 0):
-        state = "empty" if db.exists() else "missing"
+    if lost := missing_sqlite_store(uri):
+        db, state = lost
         raise TrackingError(f"tracking store {db} is {state}: nothing to browse (make sweep makes it)")
 
 
@@ -147,12 +146,8 @@ def _dashboard(results: Path, port: int) -> int:
 
     try:
         url = storage_url(results, os.environ.get(STORAGE_ENV) or None)
-    except ValueError as err:  # a results path a URL cannot hold
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    try:
         storage = make_storage(url)  # creates the tables of a new file, as the sweep would
-    except TrackingError as err:  # no driver, a server that does not answer, not a database
+    except (ValueError, TrackingError) as err:  # a path a URL cannot hold; no driver, no server
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"optuna-dashboard on {hide_password(url)}: open http://127.0.0.1:{port}/", flush=True)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -14,6 +15,15 @@ from sweep.gridfile import NAME
 
 #: RULER's tasks that lm-eval generates with no download (``sweep.eval.ruler``).
 RULER_OFFLINE = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "vt", "cwe", "fwe")
+
+
+@functools.cache
+def _lm_eval_version() -> str | None:
+    """lm-eval's installed version, read once a process (every score check asks for it)."""
+    try:
+        return metadata.version("lm_eval")
+    except metadata.PackageNotFoundError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -60,17 +70,13 @@ class EvalConfig:
         any of them changed, ``make eval`` scores the run again and the tables leave the old one out."""
         from sweep.eval.suite import SUITE_VERSION
 
-        try:
-            harness = metadata.version("lm_eval")
-        except metadata.PackageNotFoundError:
-            harness = None
         made_with = {
             "task": task,
             "num_fewshot": self.fewshot(task),
             "limit": self.limit,
             "max_gen_toks": self.max_gen_toks,
             "suite": SUITE_VERSION,
-            "lm_eval": harness,
+            "lm_eval": _lm_eval_version(),
         }
         return hashlib.sha256(json.dumps(made_with, sort_keys=True).encode()).hexdigest()[:12]
 

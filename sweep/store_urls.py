@@ -54,6 +54,18 @@ def check_url_safe(path: Path) -> None:
         )
 
 
+def missing_sqlite_store(uri: str) -> tuple[Path, str] | None:
+    """For a ``sqlite:///`` tracking URI whose file is missing or empty: (the file, ``"missing"``
+    or ``"empty"``); None for any other URI or a file that holds something. Opening such a store
+    would create an empty one."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    db = Path(uri.removeprefix("sqlite:///"))
+    if db.is_file() and db.stat().st_size > 0:
+        return None
+    return db, "empty" if db.exists() else "missing"
+
+
 def sqlite_url(path: Path) -> str:
     """``sqlite:///<absolute path>`` of a local database file.
 

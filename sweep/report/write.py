@@ -25,6 +25,7 @@ from sweep.report.publish import Staging
 from sweep.report.runs import finished_runs, one_arithmetic
 from sweep.report.tables import bench_columns, build_table
 from sweep.store import Tracker, TrackingError, experiment_name, tracking_uri
+from sweep.store_urls import missing_sqlite_store
 
 
 def table_paths(grid: Grid, scale: str, results_dir: Path) -> dict[str, Path]:
@@ -41,19 +42,17 @@ def refuse_a_lost_store(results_dir: Path, md: Path) -> None:
     Raises:
         TrackingError: one line naming the store and the table.
     """
-    uri = tracking_uri(results_dir)
-    if not uri.startswith("sqlite:///"):
+    lost = missing_sqlite_store(tracking_uri(results_dir))
+    if lost is None or not md.is_file():
         return
-    db = Path(uri.removeprefix("sqlite:///"))
-    if (db.is_file() and db.stat().st_size > 0) or not md.is_file():
-        return
+    db, state = lost
     try:
         runs = json.loads(md.with_name(f"{md.stem}.manifest.json").read_text()).get("runs", 0)
     except (OSError, ValueError, AttributeError):
         return
     if runs:
         raise TrackingError(
-            f"tracking store {db} is {'empty' if db.exists() else 'missing'}, but {md} was made from "
+            f"tracking store {db} is {state}, but {md} was made from "
             f"{runs} run(s): not replaced by an empty table (restore the store, or delete {md.name} "
             "to write one)"
         )
