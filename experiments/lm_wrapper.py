@@ -35,7 +35,7 @@ class GatedAttnLM(TemplateLM):
 
     Args:
         model: the trained model (eval mode is set here).
-        tokenizer: the corpus tokenizer; ``eot_id`` is its end-of-text token (id 0).
+        tokenizer: the corpus tokenizer; ``eot_id`` is its end-of-document token (``Corpus.eos_id``).
         batch_size: sequences per forward pass.
         max_gen_toks: default generation budget (a request's ``max_gen_toks`` overrides it).
         device: where to run (default: the model's device).

@@ -158,6 +158,10 @@ def _main(argv: list[str] | None) -> int:
             print(f"wrote {', '.join(map(str, paths.values()))}")
             return 0
         cache = _cache_root()
+        if args.command == "data":
+            from sweep.run.corpora import build_corpora
+
+            return build_corpora(grid, cells, cache, args.download)
         if args.command == "eval":
             failed = _evaluate(grid, args.scale, cells, results, cache, asked=True)
             failed += _long_context(grid, args.scale, cells, results, cache)

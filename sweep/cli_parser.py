@@ -26,6 +26,7 @@ def parser(description: str) -> argparse.ArgumentParser:
         ),
         ("worker", "train cells from the sweep's queue until it is empty (started by sweep --workers)"),
         ("eval", "benchmark finished runs that lack scores (the grid's eval.tasks), then the tables"),
+        ("data", "build (or check) the corpora of the grid's cells, offline unless --download"),
     ):
         s = sub.add_parser(name, help=text)
         grid = "grids/stability.yaml" if name == "stability" else "grids/table1.yaml"
@@ -51,6 +52,10 @@ def parser(description: str) -> argparse.ArgumentParser:
                 help="worker processes, or auto (one per CPU core, one on a GPU); >1 uses the queue",
             )
             add_launcher_arguments(s)
+        if name == "data":
+            s.add_argument(
+                "--download", action="store_true", help="download hub sources into the local cache first"
+            )
         if name == "tune":
             s.add_argument("--trials", type=int, default=8, help="trials per row (complete or pruned)")
             s.add_argument("--lr-range", default="1e-4,1e-2", help="log-uniform max LR range, lo,hi")

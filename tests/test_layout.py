@@ -4,7 +4,8 @@
 jobs - ``sweep.run`` (train cells), ``sweep.report`` (tables and figures), ``sweep.eval``
 (benchmark scores) - import ``experiments`` and the shared base (``sweep.grid``, ``sweep.gridfile``,
 ``sweep.store``, ``sweep.studies``), never one another, and nothing imports the entry points
-(``sweep.cli``, ``sweep.throughput``, ``sweep.gpu_check``, ``sweep.servers_check``).
+(``sweep.cli``, ``sweep.throughput``, ``sweep.gpu_check``, ``sweep.servers_check``,
+``sweep.corpus_bench``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ ENTRY_POINTS = (
     "sweep.gpu_check",
     "sweep.ui_check",
     "sweep.servers_check",
+    "sweep.corpus_bench",
 )
 MAX_LINES = 400
 

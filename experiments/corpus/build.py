@@ -18,12 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 import experiments.corpus.backcopy as backcopy
 import experiments.corpus.sources as sources
+import experiments.corpus.streamed as streamed
 from experiments.checksums import require_recorded, verify, write_checksums
 from experiments.config import DataConfig, identity_dict, to_dict
+from experiments.corpus.bpe import train_bpe
 from experiments.corpus.reader import (
     CORPUS_FORMAT_VERSION,
     EOS,
@@ -50,10 +52,12 @@ def recipe_hash(cfg: DataConfig) -> str:
     """
     payload = {
         "recipe": identity_dict(cfg),
-        "pins": [sources.SOURCES[name].pin for name in cfg.sources if name in sources.SOURCES],
+        "pins": [sources.SOURCES[s.package].pin for s in cfg.specs() if s.package in sources.SOURCES],
         "format": CORPUS_FORMAT_VERSION,
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
     }
+    if cfg.streamed:  # only then: every package recipe keeps the corpus (and the run keys) it had
+        payload["build"] = streamed.BUILD_VERSION
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -98,11 +102,11 @@ def build_corpus(
     digest = recipe_hash(cfg)
     final = cache_root / f"corpus-{digest}"
     if (final / MANIFEST).is_file():
-        return open_checked(final)
+        return _unchanged_inputs(cfg, open_checked(final))
     cache_root.mkdir(parents=True, exist_ok=True)
     with _exclusive(cache_root / f".corpus-{digest}.lock"):
         if (final / MANIFEST).is_file():  # a rival built it while we waited
-            return open_checked(final)
+            return _unchanged_inputs(cfg, open_checked(final))
         for stale in cache_root.glob(f".corpus-{digest}.tmp-*"):  # debris of killed builds; we hold the lock
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".corpus-{digest}.tmp-", dir=cache_root))
@@ -110,6 +114,8 @@ def build_corpus(
         try:
             if cfg.synthetic is not None:
                 backcopy.write_corpus(cfg, digest, tmp, log)
+            elif cfg.streamed:
+                streamed.write_corpus(cfg, digest, tmp, cache_root / "downloads", log)
             else:
                 _build(cfg, digest, tmp, cache_root / "downloads", log)
             write_checksums(tmp)
@@ -120,6 +126,20 @@ def build_corpus(
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return open_checked(final)
+
+
+def _unchanged_inputs(cfg: DataConfig, corpus: Corpus) -> Corpus:
+    """``corpus``, unless a local file it was built from (a ``files`` source, the tokenizer) changed since.
+
+    Raises:
+        CorpusError: naming the file; the runs of this recipe were trained on the old bytes.
+    """
+    if cfg.streamed and (changed := streamed.changed_input(cfg, corpus.manifest)):
+        raise CorpusError(
+            f"{changed} changed since corpus {corpus.root.name} was built from it, and the runs of this "
+            f"recipe were trained on the old bytes; restore it, or move {corpus.root} away to rebuild"
+        )
+    return corpus
 
 
 def open_checked(root: Path) -> Corpus:
@@ -172,7 +192,7 @@ def _build(cfg: DataConfig, digest: str, out: Path, downloads: Path, log: Callab
 
     t0 = time.perf_counter()
     train_texts = [doc.text for d in domains for doc in splits[d]["train"]]
-    tokenizer = _train_tokenizer(train_texts, cfg.vocab_size)
+    tokenizer = train_bpe(train_texts, cfg.vocab_size)
     tokenizer.save(str(out / TOKENIZER_FILE))
     vocab_size = tokenizer.get_vocab_size()
     eos_id = tokenizer.token_to_id(EOS)
@@ -285,22 +305,6 @@ def _split_domain(domain: str, loaded: list[_Loaded], cfg: DataConfig) -> dict[s
     # With fractions < 0.5 and n >= 3 this clamp keeps every split non-empty.
     n_test = min(max(1, round(n * cfg.test_fraction)), n - n_val - 1)
     return {"val": docs[:n_val], "test": docs[n_val : n_val + n_test], "train": docs[n_val + n_test :]}
-
-
-def _train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
-    tokenizer = Tokenizer(models.BPE())
-    # No prefix space: decoding must give back the document exactly.
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer=trainer, length=len(texts))
-    return tokenizer
 
 
 def _encode_docs(

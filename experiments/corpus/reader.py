@@ -116,6 +116,18 @@ class Corpus:
             self._arrays[key] = np.memmap(self.root / rel, dtype=self._dtype, mode="r")
         return self._arrays[key]
 
+    def provenance(self) -> dict[str, Any]:
+        """What each run records of its corpus (MLflow ``corpus.json``): the recipe hash, tokens per
+        split and domain, the tokenizer, and each source's version or revision, files and sha256
+        (the manifest's per-document lists left out)."""
+        keep = ("recipe_hash", "format_version", "python", "built_at", "domains", "dtype", "tokens")
+        record = {k: self.manifest[k] for k in keep if k in self.manifest}
+        record["tokenizer"] = self.manifest["tokenizer"]
+        record["sources"] = [
+            {k: v for k, v in entry.items() if k != "doc_ids"} for entry in self.manifest.get("sources", [])
+        ]
+        return record
+
     def tokenizer(self) -> Tokenizer:
         """The corpus's byte-level BPE tokenizer (loaded once, then shared).
 

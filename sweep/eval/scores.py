@@ -71,6 +71,7 @@ def evaluate_checkpoint(
         checkpoint,
         cfg.model,
         corpus.root / TOKENIZER_FILE,
+        eot_id=corpus.eos_id,
         batch_size=spec.batch_size,
         max_gen_toks=spec.max_gen_toks,
         device="cuda" if torch.cuda.is_available() else "cpu",

@@ -18,6 +18,7 @@ from experiments.names import Outcome, Status
 from experiments.stability import Diverged
 from sweep.grid import Cell, Grid
 from sweep.run.cell import checkpoint_dir, train_cell
+from sweep.run.corpora import check_sources, check_vocab
 from sweep.run.interrupt import Interrupted, StopOnRequest, StopRequest
 from sweep.run.placement import check_runnable, placement_change
 from sweep.run.progress import ProgressPrinter, SweepClock
@@ -86,9 +87,14 @@ def prepare_sweep(
     pin_threads()
     scale = cells[0].scale
     uri = tracking_uri(results_dir)
+    recipes = {c.config.data for c in cells}
+    for data_cfg in recipes:  # before the store: an offline hub source or a missing file writes nothing
+        check_sources(data_cfg)
     check_reachable(uri)
-    for data_cfg in {c.config.data for c in cells}:
-        build_corpus(data_cfg, cache_root, log=out)
+    for data_cfg in recipes:
+        check_vocab(
+            grid, [c for c in cells if c.config.data == data_cfg], build_corpus(data_cfg, cache_root, log=out)
+        )
     tracker = Tracker(uri, experiment_name(grid.name, scale), results_dir / "mlartifacts", out)
     return SweepContext(grid, tracker, results_dir, cache_root, stop or StopRequest(), out, heartbeat_s)
 

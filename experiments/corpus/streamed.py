@@ -1,0 +1,319 @@
+"""The streaming build: any mix of package, files and hub sources (``experiments.corpus.documents``),
+a trained BPE or a pretrained ``tokenizer.json``, in memory that does not grow with the corpus.
+
+Each document goes to val, test or train by a hash of its source and id (so a split needs no
+list of the documents), is encoded in batches on every core (``tokenizers``), ends with the
+tokenizer's end-of-document token and is appended to its domain's file at once. Training
+reads the same memmaps as before (``experiments.corpus.reader``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+from tokenizers import Tokenizer
+
+import experiments.corpus.documents as D
+import experiments.corpus.sources as sources
+from experiments.config import DataConfig, to_dict
+from experiments.corpus.bpe import train_bpe
+from experiments.corpus.reader import EOS, MANIFEST, SPLITS, TOKENIZER_FILE, CorpusError, manifest_header
+from experiments.data_config import SourceSpec
+
+BUILD_VERSION = 1
+"""Bump whenever this builder changes what it writes (split rule, separators, layout)."""
+
+BPE_SAMPLE_CHARS = 50_000_000
+"""Characters of each source's train split the BPE is trained on, at most: a larger sample barely
+changes the merges of a vocabulary of tens of thousands and costs the trainer's memory."""
+
+_BATCH_CHARS = 2_000_000  # bounds the text and the Encoding objects held at once
+_PROGRESS_EVERY_S = 5.0
+
+
+def domain_of(spec: SourceSpec) -> str:
+    """The source's domain: its own, or its package's."""
+    return spec.domain or sources.SOURCES[spec.package].domain
+
+
+def split_of(label: str, doc_id: str, cfg: DataConfig) -> str:
+    """``val``, ``test`` or ``train`` for one document, from sha256 of ``<label>/<doc_id>``:
+    the same document always lands in the same split, whatever else the source holds."""
+    u = int.from_bytes(hashlib.sha256(f"{label}/{doc_id}".encode()).digest()[:8], "big") / 2**64
+    return "val" if u < cfg.val_fraction else "test" if u < cfg.val_fraction + cfg.test_fraction else "train"
+
+
+def pretrained(cfg: DataConfig) -> tuple[Tokenizer, int]:
+    """The grid's ``tokenizer.json`` and the id of its end-of-document token.
+
+    Raises:
+        CorpusError: no such file, not a tokenizer, or no end-of-document token in its vocabulary.
+    """
+    path = Path(cfg.tokenizer.file).expanduser()
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as err:
+        raise CorpusError(f"tokenizer {path}: not a tokenizer.json ({D._line(err)})") from err
+    names = (cfg.tokenizer.eos,) if cfg.tokenizer.eos else cfg.tokenizer.KNOWN_EOS
+    for name in names:
+        if (eos := tokenizer.token_to_id(name)) is not None:
+            return tokenizer, eos
+    raise CorpusError(f"tokenizer {path}: none of {', '.join(names)} is in its vocabulary; set tokenizer.eos")
+
+
+def train_texts(cfg: DataConfig, downloads: Path) -> Iterator[str]:
+    """The train split's first documents of each source, up to ``max_chars_per_source`` or
+    :data:`BPE_SAMPLE_CHARS` characters, whichever is less: what the BPE is trained on (one
+    streamed pass; the trainer keeps word counts, not texts)."""
+    for spec in cfg.specs():
+        chars = 0
+        for doc in D.documents(spec, downloads):
+            if split_of(spec.label, doc.doc_id, cfg) == "train" and doc.text.strip():
+                yield doc.text
+                chars += len(doc.text)
+                if chars >= min(cfg.max_chars_per_source, BPE_SAMPLE_CHARS):
+                    break
+
+
+def write_corpus(
+    cfg: DataConfig, digest: str, out: Path, downloads: Path, log: Callable[[str], None]
+) -> None:
+    """Build a streamed recipe into ``out``: the tokenizer (trained, or the pretrained one), the
+    token files (:func:`build_streamed`) and, last, ``manifest.json``.
+
+    Raises:
+        CorpusError: a source or the tokenizer cannot be read.
+    """
+    t_start = time.perf_counter()
+    if cfg.tokenizer is not None:
+        tokenizer, eos_id = pretrained(cfg)
+        origin = {"pretrained": str(Path(cfg.tokenizer.file).expanduser().resolve()),
+                  "sha256": sources.file_sha256(Path(cfg.tokenizer.file).expanduser())}  # fmt: skip
+    else:
+        tokenizer = train_bpe(train_texts(cfg, downloads), cfg.vocab_size)
+        eos_id, origin = tokenizer.token_to_id(EOS), {"trained": "byte-level BPE on the train split"}
+    tokenizer.save(str(out / TOKENIZER_FILE))
+    eos = tokenizer.id_to_token(eos_id)
+    log(
+        f"corpus {digest}: tokenizer vocab {tokenizer.get_vocab_size()}, end of document {eos} "
+        f"{time.perf_counter() - t_start:.1f}s"
+    )
+    body = build_streamed(cfg, tokenizer, eos_id, out, downloads, log)
+    tokens = {"file": TOKENIZER_FILE, "vocab_size": tokenizer.get_vocab_size(), "eos_id": eos_id, "eos": eos}
+    seconds = round(time.perf_counter() - t_start, 2)
+    manifest = {**manifest_header(to_dict(cfg), digest), "build_seconds": seconds, **body}
+    manifest["tokenizer"] = {**tokens, **origin}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")  # last: it marks the corpus complete
+    log(
+        f"corpus {digest}: encoded {sum(body['tokens']['train'].values()):,} train tokens, "
+        f"built in {time.perf_counter() - t_start:.1f}s"
+    )
+
+
+def build_streamed(
+    cfg: DataConfig, tokenizer: Tokenizer, eos_id: int, out: Path, downloads: Path, log: Callable[[str], None]
+) -> dict[str, Any]:
+    """Encode every source into ``out`` (``train.bin``, ``val/<domain>.bin``, ``test/<domain>.bin``);
+    return the manifest's ``domains``, ``dtype``, ``files``, ``tokens``, ``train_spans`` and ``sources``.
+
+    Raises:
+        CorpusError: a source cannot be read (``documents``), yields nothing, or leaves a domain
+            without a document in some split.
+    """
+    specs = cfg.specs()
+    domains = sorted({domain_of(s) for s in specs})
+    dtype = np.dtype(np.uint16 if tokenizer.get_vocab_size() <= 65536 else np.uint32)
+    (out / "val").mkdir()
+    (out / "test").mkdir()
+    parts = {d: out / f".train-{d}.part" for d in domains}
+    files: dict[str, Any] = {"train": "train.bin", "val": {}, "test": {}}
+    handles: dict[tuple[str, str], BinaryIO] = {}
+    for d in domains:
+        handles[("train", d)] = open(parts[d], "wb")
+        for split in ("val", "test"):
+            files[split][d] = f"{split}/{d}.bin"
+            handles[(split, d)] = open(out / files[split][d], "wb")
+    totals = {s: dict.fromkeys(domains, 0) for s in SPLITS}
+    entries = []
+    try:
+        for spec in specs:
+            entries.append(
+                _encode_source(spec, cfg, tokenizer, eos_id, dtype, handles, totals, downloads, log)
+            )
+    finally:
+        for fh in handles.values():
+            fh.close()
+    for d in domains:
+        for split in SPLITS:
+            if totals[split][d] == 0:
+                raise CorpusError(
+                    f"domain '{d}': no document fell in the {split} split; give it more documents "
+                    f"(each goes to val / test with odds {cfg.val_fraction} / {cfg.test_fraction})"
+                )
+    spans, start = {}, 0
+    with open(out / "train.bin", "wb") as train:
+        for d in domains:  # the domains one after another, as the package build writes them
+            with open(parts[d], "rb") as part:
+                shutil.copyfileobj(part, train, 1 << 24)
+            os.remove(parts[d])
+            spans[d] = [start, start + totals["train"][d]]
+            start += totals["train"][d]
+    return {"domains": domains, "dtype": dtype.name, "files": files, "tokens": totals, "train_spans": spans,
+            "sources": entries}  # fmt: skip
+
+
+def _encode_source(
+    spec: SourceSpec,
+    cfg: DataConfig,
+    tokenizer: Tokenizer,
+    eos_id: int,
+    dtype: np.dtype,
+    handles: dict[tuple[str, str], BinaryIO],
+    totals: dict[str, dict[str, int]],
+    downloads: Path,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    domain = domain_of(spec)
+    progress = _Progress(spec, log)
+    counts = dict.fromkeys(SPLITS, 0)
+    docs = dict.fromkeys(SPLITS, 0)
+    chars = 0
+    token_cap = spec.max_tokens or float("inf")
+    eos = np.array([eos_id], dtype=dtype)
+    seen = 0
+    for batch in _batches(D.documents(spec, downloads)):
+        encodings = tokenizer.encode_batch_fast([doc.text for doc in batch], add_special_tokens=True)
+        full = False
+        for doc, enc in zip(batch, encodings):
+            seen += 1
+            tokens = len(enc.ids) + (0 if enc.ids and enc.ids[-1] == eos_id else 1)
+            kept = sum(docs.values())
+            if kept >= 3 and (
+                chars + len(doc.text) > cfg.max_chars_per_source or sum(counts.values()) + tokens > token_cap
+            ):
+                full = True  # stop, not skip: skipping would favour short documents
+                break
+            split = split_of(spec.label, doc.doc_id, cfg)
+            fh = handles[(split, domain)]
+            fh.write(np.asarray(enc.ids, dtype=dtype).tobytes())
+            if tokens > len(enc.ids):
+                fh.write(eos.tobytes())
+            counts[split] += tokens
+            docs[split] += 1
+            chars += len(doc.text)
+            progress.update(doc.nbytes, tokens)
+        if full:
+            break
+    if not sum(docs.values()):
+        raise CorpusError(f"source '{spec.label}': yielded no non-empty documents")
+    for split in SPLITS:
+        totals[split][domain] += counts[split]
+    log(progress.done(sum(docs.values()), seen))
+    return {"name": spec.label, "kind": spec.kind, "domain": domain, "spec": _spec_record(spec),
+            **_provenance(spec), "n_docs": docs, "tokens": counts, "chars": chars}  # fmt: skip
+
+
+def _batches(docs: Iterator[D.Doc]) -> Iterator[list[D.Doc]]:
+    batch, size = [], 0
+    for doc in docs:
+        text = doc.text.replace("\r\n", "\n")
+        if not text.strip():  # a whitespace-only document would be a lone eos
+            continue
+        batch.append(D.Doc(doc.doc_id, text, doc.nbytes))
+        size += len(text)
+        if size >= _BATCH_CHARS:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _spec_record(spec: SourceSpec) -> dict[str, Any]:
+    return {k: v for k, v in {"files": list(spec.files or ()), "hub": spec.hub, "config": spec.config,
+            "split": spec.split if spec.hub else None, "revision": spec.revision, "package": spec.package,
+            "max_tokens": spec.max_tokens}.items() if v}  # fmt: skip
+
+
+def _provenance(spec: SourceSpec) -> dict[str, Any]:
+    """What was read: the files (path, bytes) and the sha256 of their bytes; a hub data set's
+    revision; a package's pin."""
+    if spec.kind == "files":
+        paths = D.matched_files(spec)
+        return {"file_list": _stats(paths), "sha256": D.file_sha256(paths)}
+    if spec.kind == "hub":
+        return {"revision": spec.revision}
+    src = sources.SOURCES[spec.package]
+    return {"version": src.version, "pin": src.pin, "license": src.license}
+
+
+def _stats(paths: list[Path]) -> list[list[Any]]:
+    return [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in paths]
+
+
+def changed_input(cfg: DataConfig, manifest: dict[str, Any]) -> str | None:
+    """The first local input of a built corpus whose bytes changed since: a ``files`` source's
+    file (or its file list) or the pretrained tokenizer; ``None`` if none did. Files whose size and
+    modification time are unchanged are not read again.
+
+    Raises:
+        CorpusError: a ``files`` pattern now matches nothing (``documents.matched_files``).
+    """
+    for spec, entry in zip(cfg.specs(), manifest["sources"]):
+        if spec.kind != "files":
+            continue
+        paths = D.matched_files(spec)
+        now = _stats(paths)
+        if now == entry["file_list"]:
+            continue
+        if [f[:2] for f in now] != [f[:2] for f in entry["file_list"]] or D.file_sha256(paths) != entry[
+            "sha256"
+        ]:
+            return f"source '{spec.label}': its files"
+    origin = manifest["tokenizer"]
+    if cfg.tokenizer is not None:
+        path = Path(cfg.tokenizer.file).expanduser()
+        if not path.is_file() or sources.file_sha256(path) != origin.get("sha256"):
+            return f"tokenizer {path}"
+    return None
+
+
+class _Progress:
+    """A line every few seconds: documents, tokens, MB/s and, where the size is known, time left."""
+
+    def __init__(self, spec: SourceSpec, log: Callable[[str], None]) -> None:
+        self.spec, self.log = spec, log
+        self.start = self.last = time.perf_counter()
+        self.bytes = self.tokens = self.docs = 0
+        self.total = sum(p.stat().st_size for p in D.matched_files(spec)) if spec.kind == "files" else None
+
+    def update(self, nbytes: int, tokens: int) -> None:
+        self.bytes += nbytes
+        self.tokens += tokens
+        self.docs += 1
+        now = time.perf_counter()
+        if now - self.last < _PROGRESS_EVERY_S:
+            return
+        self.last = now
+        rate = self.bytes / (now - self.start)
+        left = ""
+        if self.total and rate > 0:
+            left = f", about {max(0.0, (self.total - self.bytes) / rate):.0f} s left"
+        self.log(
+            f"corpus: {self.spec.label}: {self.docs:,} docs, {self.tokens:,} tokens, "
+            f"{rate / 1e6:.1f} MB/s{left}"
+        )
+
+    def done(self, kept: int, seen: int) -> str:
+        secs = time.perf_counter() - self.start
+        rate = self.bytes / secs / 1e6 if secs > 0 else 0.0
+        return (
+            f"corpus: {self.spec.label}: {kept:,}/{seen:,} docs, {self.tokens:,} tokens, "
+            f"{self.bytes / 1e6:.1f} MB in {secs:.1f}s ({rate:.1f} MB/s)"
+        )

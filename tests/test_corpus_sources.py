@@ -1,0 +1,269 @@
+"""Corpus sources beyond the packages: local files (JSON lines, Parquet, text), a hub data set
+through a patched ``datasets.load_dataset``, a pretrained tokenizer; offline, on files this test
+writes. Document boundaries are checked against a direct tokenisation of each document."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from experiments import corpus as C
+from experiments.config import DataConfig, from_dict
+from experiments.corpus.streamed import split_of
+from sweep.cli import main
+
+WORDS = "the of and to a in that is was he for it with as his on be at by this had not are but from".split()
+
+
+def _text(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS + ["naïve", "漢字", "{x}"]) for _ in range(rng.randint(20, 90))) + "\n"
+
+
+def _write(folder: Path) -> dict[str, list[str]]:
+    """A JSONL, a Parquet and three text files; returns each format's documents in file order."""
+    rng = random.Random(7)
+    folder.mkdir(parents=True, exist_ok=True)
+    docs = {"jsonl": [_text(rng) for _ in range(60)], "parquet": [_text(rng) for _ in range(60)]}
+    docs["text"] = [_text(rng) for _ in range(30)]
+    with open(folder / "web.jsonl", "w", encoding="utf-8") as fh:
+        for i, text in enumerate(docs["jsonl"]):
+            fh.write(json.dumps({"id": i, "body": text}, ensure_ascii=False) + "\n")
+    pq.write_table(pa.table({"body": docs["parquet"]}), folder / "web.parquet")
+    for i, text in enumerate(docs["text"]):
+        (folder / f"note{i:02d}.txt").write_text(text, encoding="utf-8")
+    return docs
+
+
+def _cfg(folder: Path, **extra) -> DataConfig:
+    sources = [
+        {"files": str(folder / "web.jsonl"), "domain": "web", "text_field": "body"},
+        {"files": [str(folder / "*.parquet")], "domain": "web", "text_field": "body"},
+        {"files": str(folder / "note*.txt"), "domain": "notes"},
+    ]
+    return from_dict(DataConfig, {"vocab_size": 300, "val_fraction": 0.2, "test_fraction": 0.2,
+                                  "sources": sources, **extra})  # fmt: skip
+
+
+def _split_docs(tokens: np.ndarray, eos: int) -> list[list[int]]:
+    ends = np.flatnonzero(tokens == eos)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    assert ends[-1] == len(tokens) - 1  # every document ends with the separator
+    return [tokens[s:e].tolist() for s, e in zip(starts, ends)]
+
+
+def test_files_of_three_formats_build_with_documents_whole_and_split_by_their_hash(tmp_path: Path) -> None:
+    docs = _write(tmp_path / "data")
+    cfg = _cfg(tmp_path / "data")
+    corpus = C.build_corpus(cfg, tmp_path / "cache", log=lambda _m: None)
+    assert corpus.domains == ["notes", "web"]
+    tok, eos = corpus.tokenizer(), corpus.eos_id
+    labels = [s.label for s in cfg.specs()]
+    expect: dict[tuple[str, str], list[list[int]]] = {}
+    order = [("jsonl", labels[0], "web", "web.jsonl#"), ("parquet", labels[1], "web", "web.parquet#")]
+    order += [("text", labels[2], "notes", None)]
+    for fmt, label, domain, prefix in order:
+        for i, text in enumerate(docs[fmt]):
+            doc_id = f"{prefix}{i}" if prefix else f"note{i:02d}.txt#0"
+            split = split_of(label, doc_id, cfg)
+            expect.setdefault((split, domain), []).append(tok.encode(text).ids)
+    for domain in corpus.domains:
+        for split in ("val", "test"):
+            assert _split_docs(np.asarray(corpus.tokens(split, domain)), eos) == expect[(split, domain)]
+        start, end = corpus.manifest["train_spans"][domain]
+        assert _split_docs(np.asarray(corpus.tokens("train")[start:end]), eos) == expect[("train", domain)]
+    entries = corpus.manifest["sources"]
+    assert [e["n_docs"]["train"] + e["n_docs"]["val"] + e["n_docs"]["test"] for e in entries] == [60, 60, 30]
+    assert [len(e["file_list"]) for e in entries] == [1, 1, 30]
+    assert all(len(e["sha256"]) == 64 for e in entries)
+    record = corpus.provenance()
+    assert record["sources"][0]["file_list"][0][0] == str((tmp_path / "data" / "web.jsonl").resolve())
+
+
+def test_the_same_recipe_gives_the_same_bytes(tmp_path: Path) -> None:
+    _write(tmp_path / "data")
+    cfg = _cfg(tmp_path / "data")
+    a = C.build_corpus(cfg, tmp_path / "a", log=lambda _m: None)
+    b = C.build_corpus(cfg, tmp_path / "b", log=lambda _m: None)
+    for rel in ("train.bin", "val/web.bin", "test/notes.bin", "tokenizer.json"):
+        assert (a.root / rel).read_bytes() == (b.root / rel).read_bytes(), rel
+
+
+def test_a_changed_file_is_refused_not_silently_rebuilt(tmp_path: Path) -> None:
+    _write(tmp_path / "data")
+    cfg = _cfg(tmp_path / "data")
+    C.build_corpus(cfg, tmp_path / "cache", log=lambda _m: None)
+    with open(tmp_path / "data" / "web.jsonl", "a") as fh:
+        fh.write(json.dumps({"body": "one more document"}) + "\n")
+    with pytest.raises(C.CorpusError, match=r"source 'files:.*web.jsonl': its files changed since corpus"):
+        C.build_corpus(cfg, tmp_path / "cache", log=lambda _m: None)
+
+
+def test_a_plain_package_name_and_its_mapping_are_one_recipe_with_the_old_build() -> None:
+    plain = DataConfig(sources=("stdlib",))
+    mapped = from_dict(DataConfig, {"sources": [{"package": "stdlib"}]})
+    assert plain == mapped and not plain.streamed
+    assert C.recipe_hash(plain) == C.recipe_hash(mapped)
+    capped = from_dict(DataConfig, {"sources": [{"package": "stdlib", "max_tokens": 1000}]})
+    assert capped.streamed and C.recipe_hash(capped) != C.recipe_hash(plain)
+
+
+def _bpe_with_eos(texts: list[str], path: Path, eos: str) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<pad>", eos], initial_alphabet=alphabet, show_progress=False
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.save(str(path))
+    return tok
+
+
+def test_a_pretrained_tokenizer_is_used_as_is_with_its_own_end_of_document(tmp_path: Path) -> None:
+    docs = _write(tmp_path / "data")
+    pretrained = _bpe_with_eos(docs["jsonl"], tmp_path / "tok.json", "</s>")
+    cfg = _cfg(tmp_path / "data", tokenizer={"file": str(tmp_path / "tok.json")})
+    corpus = C.build_corpus(cfg, tmp_path / "cache", log=lambda _m: None)
+    assert corpus.eos_id == pretrained.token_to_id("</s>") == 1
+    assert corpus.vocab_size == pretrained.get_vocab_size()
+    assert corpus.manifest["tokenizer"]["pretrained"] == str((tmp_path / "tok.json").resolve())
+    first = [
+        d
+        for i, d in enumerate(docs["text"])
+        if split_of(cfg.specs()[2].label, f"note{i:02d}.txt#0", cfg) == "val"
+    ]
+    got = _split_docs(np.asarray(corpus.tokens("val", "notes")), corpus.eos_id)
+    assert got == [pretrained.encode(t).ids for t in first]
+    assert corpus.tokens("train").dtype == np.uint16
+
+
+class FakeHub:
+    """``datasets.load_dataset`` for one hub data set; anything else goes to the real one."""
+
+    def __init__(self, rows: list[dict], cached: bool) -> None:
+        self.rows, self.cached, self.calls = rows, cached, []
+        self.real = datasets.load_dataset
+
+    def __call__(self, path, name=None, **kw):
+        if path != "org/web-sample":
+            return self.real(path, name, **kw)
+        self.calls.append((name, kw.get("split"), kw.get("revision"), kw.get("streaming")))
+        if not self.cached:
+            raise ConnectionError("Couldn't reach 'org/web-sample' on the Hub (LocalEntryNotFoundError)")
+        return iter(self.rows)
+
+
+HUB = {"hub": "org/web-sample", "config": "sample-1", "revision": "0123abcd", "domain": "web"}
+
+
+def test_a_hub_source_is_read_from_the_cache_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = random.Random(3)
+    fake = FakeHub([{"text": _text(rng)} for _ in range(80)], cached=True)
+    monkeypatch.setattr(datasets, "load_dataset", fake)
+    cfg = from_dict(DataConfig, {"vocab_size": 300, "val_fraction": 0.2, "test_fraction": 0.2,
+                                 "sources": [{**HUB, "max_tokens": 2000}]})  # fmt: skip
+    corpus = C.build_corpus(cfg, tmp_path / "cache", log=lambda _m: None)
+    assert fake.calls[0] == ("sample-1", "train", "0123abcd", False)  # the cache, not a stream
+    entry = corpus.manifest["sources"][0]
+    assert entry["revision"] == "0123abcd" and entry["kind"] == "hub"
+    assert 1900 <= sum(entry["tokens"].values()) <= 2000  # stopped at max_tokens, whole documents
+    assert sum(entry["n_docs"].values()) < 80
+
+
+def _grid(tmp_path: Path, sources: list, model_vocab: int = 512, data_extra: str = "") -> Path:
+    grid = tmp_path / "own.yaml"
+    grid.write_text(f"""\
+name: own
+title: "Own"
+base:
+  model: {{vocab_size: {model_vocab}, d_model: 32, n_layers: 2, n_heads: 4, n_kv_heads: 2, head_dim: 8,
+          ffn_dim: 64, max_seq_len: 32}}
+  train: {{max_steps: 4, batch_size: 4, seq_len: 32, warmup_steps: 1, val_every: 4, val_tokens: 256}}
+  data: {{vocab_size: 300, val_fraction: 0.2, test_fraction: 0.2, sources: {json.dumps(sources)}{data_extra}}}
+scales: {{tiny: {{}}}}
+rows:
+  - {{id: baseline, label: "Baseline"}}
+""")
+    return grid
+
+
+def _sweep(grid: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> tuple[int, str, Path]:
+    monkeypatch.setenv("GATED_ATTN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    results = tmp_path / "results"
+    code = main(["sweep", "--grid", str(grid), "--results", str(results)])
+    return code, capsys.readouterr().err.strip(), results
+
+
+def test_a_hub_source_not_in_the_cache_is_one_line_and_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setattr(datasets, "load_dataset", FakeHub([], cached=False))
+    grid = _grid(tmp_path, [HUB])
+    assert main(["params", "--grid", str(grid)]) == 0  # validating the grid stays offline
+    capsys.readouterr()
+    code, err, results = _sweep(grid, tmp_path, monkeypatch, capsys)
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "org/web-sample" in err and "not in the local Hugging Face cache" in err
+    assert "make data GRID=<grid> SCALE=<scale> DOWNLOAD=1" in err and "files:" in err
+    assert list(results.iterdir()) == []  # no store, no run
+    assert not list((tmp_path / "cache").glob("corpus-*"))
+
+
+def _bad_jsonl(folder: Path, lines: list[bytes]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "bad.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["no match", "missing field", "null", "not utf-8", "unknown ending", "vocabulary"],
+)
+def test_bad_sources_are_one_line_and_exit_2(
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    good = [json.dumps({"text": f"document {i} " * 20}).encode() for i in range(40)]
+    folder = tmp_path / "data"
+    spec = {"files": str(folder / "bad.jsonl"), "domain": "web"}
+    model_vocab, extra = 512, ""
+    if case == "no match":
+        spec["files"] = str(folder / "none-*.jsonl")
+        want = f"files: '{folder}/none-*.jsonl' matches no file"
+    elif case == "missing field":
+        _bad_jsonl(folder, good)
+        spec["text_field"] = "body"
+        want = "bad.jsonl: row 0: no key 'body' (keys: text)"
+    elif case == "null":
+        _bad_jsonl(folder, [*good[:5], b'{"text": null}', *good[5:]])
+        want = "bad.jsonl: row 5: text is null, not text"
+    elif case == "not utf-8":
+        _bad_jsonl(folder, [*good[:3], b'{"text": "caf\xe9"}', *good[3:]])
+        want = "bad.jsonl"
+    elif case == "unknown ending":
+        folder.mkdir()
+        (folder / "bad.jsonl.bz3").write_text("x")
+        spec["files"] = str(folder / "bad.jsonl.bz3")
+        want = "cannot tell the format"
+    else:
+        _bad_jsonl(folder, good)
+        _bpe_with_eos([json.loads(g)["text"] for g in good], tmp_path / "tok.json", "<|endoftext|>")
+        model_vocab, extra = 64, f", tokenizer: {{file: {tmp_path / 'tok.json'}}}"
+        want = "row 'baseline': model.vocab_size: 64 cannot hold the"
+    grid = _grid(tmp_path, [spec], model_vocab, extra)
+    code, err, results = _sweep(grid, tmp_path, monkeypatch, capsys)
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and want in err, err
+    assert err.startswith("error: ")
+    if case != "vocabulary":
+        assert not (results / "mlflow.db").exists()
