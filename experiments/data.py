@@ -15,7 +15,9 @@ from experiments.corpus import Corpus, build_corpus
 
 
 class RandomWindows(Dataset):
-    """``n_samples`` training windows of ``seq_len + 1`` tokens at seeded random offsets, or, with
+    """``n_samples`` training windows of ``seq_len + 1`` tokens at seeded random offsets (drawn with
+    replacement), or, with ``disjoint``, the disjoint windows in a seeded order (no token read
+    twice; :class:`ValueError` when there are fewer than ``n_samples``), or, with
     ``sequence_tokens`` (a synthetic task), at the start of seeded random sequences.
 
     Item ``i`` is fixed by (seed, i), so the data order is reproducible and a run that resumes at
@@ -23,7 +25,13 @@ class RandomWindows(Dataset):
     """
 
     def __init__(
-        self, tokens: np.ndarray, seq_len: int, n_samples: int, seed: int, sequence_tokens: int | None = None
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        n_samples: int,
+        seed: int,
+        sequence_tokens: int | None = None,
+        disjoint: bool = False,
     ) -> None:
         if len(tokens) <= seq_len + 1:
             raise ValueError(f"{len(tokens)} training tokens cannot fill one window of {seq_len + 1}")
@@ -31,7 +39,14 @@ class RandomWindows(Dataset):
             raise ValueError(f"a window of {seq_len + 1} tokens does not fit a sequence of {sequence_tokens}")
         self.tokens, self.seq_len = tokens, seq_len
         rng = np.random.default_rng(seed)
-        if sequence_tokens:
+        if disjoint:  # a seeded order of the disjoint windows: no token is read twice
+            available = disjoint_windows(len(tokens), seq_len)
+            if n_samples > available:
+                raise ValueError(
+                    f"{n_samples} windows asked, {available} disjoint ones in {len(tokens)} tokens"
+                )
+            self.starts = rng.permutation(available)[:n_samples] * (seq_len + 1)
+        elif sequence_tokens:
             self.starts = rng.integers(0, len(tokens) // sequence_tokens, size=n_samples) * sequence_tokens
         else:
             self.starts = rng.integers(0, len(tokens) - seq_len - 1, size=n_samples)
@@ -42,6 +57,11 @@ class RandomWindows(Dataset):
     def __getitem__(self, i: int) -> torch.Tensor:
         s = int(self.starts[i])
         return torch.from_numpy(self.tokens[s : s + self.seq_len + 1].astype(np.int64))  # (seq_len + 1,)
+
+
+def disjoint_windows(n_tokens: int, seq_len: int) -> int:
+    """How many disjoint windows of ``seq_len + 1`` tokens ``n_tokens`` training tokens hold."""
+    return n_tokens // (seq_len + 1)
 
 
 class ResumingSampler(Sampler[int]):
@@ -134,7 +154,7 @@ class CorpusDataModule(pl.LightningDataModule):
         t = self.train_cfg
         ds = RandomWindows(
             self.corpus.tokens("train"), t.seq_len, t.max_steps * t.batch_size, self.seed,
-            self.corpus.sequence_tokens,
+            self.corpus.sequence_tokens, disjoint=self.data_cfg.train_windows == "disjoint",
         )  # fmt: skip
         # A resumed fit has restored the trainer's step before it asks for this loader.
         steps_done = self.trainer.global_step if self.trainer is not None else 0

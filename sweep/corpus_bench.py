@@ -1,6 +1,7 @@
 """``make corpus-bench``: what a streaming corpus build costs, and that it survives ``kill -9``.
 
-Writes a JSON-lines file of ``--mb`` megabytes (documents of 0.5-8 kB of made-up words drawn by Zipf's law), then
+Writes a JSON-lines file of ``--mb`` megabytes (documents of 0.5-8 kB of made-up words,
+Zipf-distributed), then
 1. builds it in a child process, printing the build's own progress lines (MB/s, time left), its
    seconds and its peak resident memory (``ru_maxrss`` of the child);
 2. builds it again in another cache, SIGKILLs that build after ``--kill-after`` seconds, runs the
@@ -56,13 +57,14 @@ def build(data: Path, cache: Path, kill_after: float | None = None) -> tuple[flo
     t0 = time.perf_counter()
     child = subprocess.Popen(cmd)
     killed = False
-    if kill_after is not None:
-        try:
-            child.wait(timeout=kill_after)
-        except subprocess.TimeoutExpired:
+    while True:  # reaped by wait4 alone, which also gives the child's peak memory
+        pid, status, usage = os.wait4(child.pid, os.WNOHANG)
+        if pid:
+            break
+        if kill_after is not None and time.perf_counter() - t0 > kill_after and not killed:
             os.kill(child.pid, signal.SIGKILL)
             killed = True
-    _, status, usage = os.wait4(child.pid, 0)
+        time.sleep(0.1)
     child.returncode = os.waitstatus_to_exitcode(status)
     if not killed and child.returncode != 0:
         raise SystemExit(f"error: the build failed with exit status {child.returncode}")

@@ -18,6 +18,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from experiments import corpus as C
 from experiments.config import DataConfig, from_dict
 from experiments.corpus.streamed import split_of
+from experiments.data import RandomWindows, disjoint_windows
 from sweep.cli import main
 
 WORDS = "the of and to a in that is was he for it with as his on be at by this had not are but from".split()
@@ -214,7 +215,7 @@ def test_a_hub_source_not_in_the_cache_is_one_line_and_writes_nothing(
     code, err, results = _sweep(grid, tmp_path, monkeypatch, capsys)
     assert code == 2 and len(err.splitlines()) == 1
     assert "org/web-sample" in err and "not in the local Hugging Face cache" in err
-    assert "make data GRID=<grid> SCALE=<scale> DOWNLOAD=1" in err and "files:" in err
+    assert f"make data GRID={grid} SCALE=tiny DOWNLOAD=1" in err and "files:" in err
     assert list(results.iterdir()) == []  # no store, no run
     assert not list((tmp_path / "cache").glob("corpus-*"))
 
@@ -249,7 +250,7 @@ def test_bad_sources_are_one_line_and_exit_2(
         want = "bad.jsonl: row 5: text is null, not text"
     elif case == "not utf-8":
         _bad_jsonl(folder, [*good[:3], b'{"text": "caf\xe9"}', *good[3:]])
-        want = "bad.jsonl"
+        want = "bad.jsonl: not UTF-8 text at or after row"
     elif case == "unknown ending":
         folder.mkdir()
         (folder / "bad.jsonl.bz3").write_text("x")
@@ -267,3 +268,61 @@ def test_bad_sources_are_one_line_and_exit_2(
     assert err.startswith("error: ")
     if case != "vocabulary":
         assert not (results / "mlflow.db").exists()
+
+
+def test_disjoint_windows_read_no_token_twice_and_refuse_a_budget_they_cannot_hold() -> None:
+    tokens = np.arange(1000, dtype=np.uint16)
+    ds = RandomWindows(tokens, seq_len=9, n_samples=60, seed=3, disjoint=True)
+    starts = sorted(int(s) for s in ds.starts)
+    assert len(set(starts)) == 60 and all(s % 10 == 0 for s in starts)  # windows of 10, no overlap
+    seen = np.concatenate([ds[i].numpy() for i in range(len(ds))])
+    assert len(seen) == len(set(seen.tolist())) == 600
+    again = RandomWindows(tokens, seq_len=9, n_samples=60, seed=3, disjoint=True)
+    assert list(again.starts) == list(ds.starts)  # fixed by the seed: exact resume
+    assert disjoint_windows(1000, 9) == 100
+    with pytest.raises(ValueError, match="101 windows asked, 100 disjoint ones"):
+        RandomWindows(tokens, seq_len=9, n_samples=101, seed=3, disjoint=True)
+
+
+def test_a_budget_that_would_read_a_token_twice_is_refused_before_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    _write(tmp_path / "data")
+    spec = {"files": str(tmp_path / "data" / "web.jsonl"), "domain": "web", "text_field": "body"}
+    grid = _grid(tmp_path, [spec], data_extra=", train_windows: disjoint")
+    grid.write_text(grid.read_text().replace("max_steps: 4,", "max_steps: 400,"))
+    code, err, _ = _sweep(grid, tmp_path, monkeypatch, capsys)
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "row 'baseline': train.max_steps: 400 steps of 4 windows read 1,600 disjoint windows of 33" in err
+
+
+def test_a_hub_source_with_data_files_reads_exactly_its_revision_from_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import huggingface_hub
+
+    snapshot = tmp_path / "snapshots" / "0123abcd"
+    (snapshot / "sample").mkdir(parents=True)
+    rng = random.Random(5)
+    texts = [_text(rng) for _ in range(50)]
+    pq.write_table(pa.table({"text": texts}), snapshot / "sample" / "000.parquet")
+    calls = []
+
+    def snapshot_download(repo_id, repo_type, revision, allow_patterns, local_files_only):
+        calls.append((repo_id, repo_type, revision, allow_patterns, local_files_only))
+        if revision != "0123abcd":
+            raise huggingface_hub.errors.LocalEntryNotFoundError("not cached")
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    spec = {**HUB, "data_files": "sample/*.parquet"}
+    cfg = from_dict(
+        DataConfig, {"vocab_size": 300, "val_fraction": 0.2, "test_fraction": 0.2, "sources": [spec]}
+    )
+    corpus = C.build_corpus(cfg, tmp_path / "cache", log=lambda _m: None)
+    assert calls[0] == ("org/web-sample", "dataset", "0123abcd", ["sample/*.parquet"], True)
+    entry = corpus.manifest["sources"][0]
+    assert entry["name"] == "hub:org/web-sample:sample/*.parquet" and sum(entry["n_docs"].values()) == 50
+    other = from_dict(DataConfig, {"sources": [{**spec, "revision": "ffff"}]})
+    with pytest.raises(C.CorpusError, match="revision ffff.* is not in the local Hugging Face cache"):
+        C.build_corpus(other, tmp_path / "cache", log=lambda _m: None)

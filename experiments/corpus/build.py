@@ -51,13 +51,15 @@ def recipe_hash(cfg: DataConfig) -> str:
     content depends on it).
     """
     payload = {
-        "recipe": identity_dict(cfg),
+        "recipe": {k: v for k, v in identity_dict(cfg).items() if k not in cfg.NOT_IN_CORPUS},
         "pins": [sources.SOURCES[s.package].pin for s in cfg.specs() if s.package in sources.SOURCES],
         "format": CORPUS_FORMAT_VERSION,
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
     }
     if cfg.streamed:  # only then: every package recipe keeps the corpus (and the run keys) it had
         payload["build"] = streamed.BUILD_VERSION
+    if missing := sources.unavailable(s.package for s in cfg.specs() if s.package):  # a corpus without them
+        payload["unavailable"] = missing
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -182,7 +184,8 @@ def _publish(tmp: Path, final: Path) -> None:
 
 def _build(cfg: DataConfig, digest: str, out: Path, downloads: Path, log: Callable[[str], None]) -> None:
     t_start = time.perf_counter()
-    loaded = [_load_source(name, cfg.max_chars_per_source, downloads, log) for name in cfg.sources]
+    names = sources.available(list(cfg.sources), log)
+    loaded = [_load_source(name, cfg.max_chars_per_source, downloads, log) for name in names]
 
     t0 = time.perf_counter()
     domains = sorted({ld.source.domain for ld in loaded})

@@ -2,12 +2,13 @@
 (JSON lines, Parquet, Arrow, plain text) or a Hugging Face hub data set, read with Hugging Face
 ``datasets`` in streaming mode so that memory does not grow with the source.
 
-Offline by default: ``datasets`` is imported with ``HF_HUB_OFFLINE=1`` and a hub source is read
-from the local cache unless its entry says ``online: true`` (or the command downloads it,
-``python -m sweep.cli data --download``)."""
+Offline by default: a hub source is read from the local Hugging Face cache, with the hub's
+offline switch on for that call only, unless its entry says ``online: true`` (or the command
+downloads it, ``python -m sweep.cli data --download``). Nothing else here reaches the network."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import os
@@ -30,15 +31,30 @@ class Doc:
     nbytes: int
 
 
-def offline_datasets() -> Any:
-    """The ``datasets`` module, imported offline unless ``HF_HUB_OFFLINE`` is already set."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", os.environ["HF_HUB_OFFLINE"])
+def quiet_datasets() -> Any:
+    """The ``datasets`` module, its progress bars and warnings off."""
     import datasets
+    import huggingface_hub.utils
 
     datasets.logging.set_verbosity_error()
     datasets.disable_progress_bars()
+    huggingface_hub.utils.logging.set_verbosity_error()  # its retry warnings: the error says it once
     return datasets
+
+
+@contextlib.contextmanager
+def hub_offline(offline: bool) -> Iterator[None]:
+    """The hub's offline switch (``huggingface_hub`` and ``datasets`` both read it at each request)
+    set for the calls inside, then put back: the rest of the process keeps its own setting."""
+    import huggingface_hub.constants as hub
+
+    ds = quiet_datasets()
+    before = hub.HF_HUB_OFFLINE, ds.config.HF_HUB_OFFLINE
+    hub.HF_HUB_OFFLINE = ds.config.HF_HUB_OFFLINE = offline
+    try:
+        yield
+    finally:
+        hub.HF_HUB_OFFLINE, ds.config.HF_HUB_OFFLINE = before
 
 
 def matched_files(spec: SourceSpec) -> list[Path]:
@@ -76,18 +92,6 @@ def file_format(spec: SourceSpec, path: Path) -> str:
     raise CorpusError(f"source '{spec.label}': {path}: cannot tell the format ({endings}); set format:")
 
 
-def fingerprint(spec: SourceSpec) -> dict[str, Any]:
-    """What identifies a source's content without reading it (for the recipe hash, at grid load):
-    a package's pin, each file's path, size and modification time, a hub data set's revision."""
-    if spec.kind == "files":
-        files = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in matched_files(spec)]
-        return {"files": files}
-    if spec.kind == "hub":
-        return {"hub": spec.hub, "config": spec.config, "split": spec.split, "revision": spec.revision}
-    src = sources.SOURCES.get(spec.package)
-    return {"package": src.pin if src is not None else spec.package}
-
-
 def documents(spec: SourceSpec, downloads: Path) -> Iterator[Doc]:
     """The source's documents in a fixed order (files sorted, rows in file order), as read.
 
@@ -98,8 +102,14 @@ def documents(spec: SourceSpec, downloads: Path) -> Iterator[Doc]:
     if spec.kind == "package":
         yield from _package(spec, downloads)
     elif spec.kind == "files":
-        for path in matched_files(spec):
-            yield from _file(spec, path)
+        paths = matched_files(spec)
+        root = Path(os.path.commonpath([p.parent for p in paths]))
+        for path in paths:  # ids relative to the files' common folder: the same on every machine
+            yield from _file(spec, path, f"{path.relative_to(root).as_posix()}#")
+    elif spec.data_files is not None and not spec.online:
+        root = hub_snapshot(spec)
+        for path in hub_files(spec, root):
+            yield from _file(spec, path, f"{path.relative_to(root).as_posix()}#")
     else:
         yield from _rows(spec, open_hub(spec), f"hub {spec.hub}", "")
 
@@ -115,7 +125,7 @@ def preflight(specs: list[SourceSpec]) -> None:
         if spec.kind == "files":
             matched_files(spec)
         elif spec.kind == "hub" and not spec.online:
-            open_hub(spec)
+            hub_files(spec, hub_snapshot(spec)) if spec.data_files is not None else open_hub(spec)
 
 
 def _package(spec: SourceSpec, downloads: Path) -> Iterator[Doc]:
@@ -125,47 +135,87 @@ def _package(spec: SourceSpec, downloads: Path) -> Iterator[Doc]:
         yield Doc(doc_id, text, len(text.encode("utf-8", "replace")))
 
 
-def _file(spec: SourceSpec, path: Path) -> Iterator[Doc]:
+def _file(spec: SourceSpec, path: Path, prefix: str) -> Iterator[Doc]:
     fmt = file_format(spec, path)
-    ds = offline_datasets()
+    ds = quiet_datasets()
     kwargs = {"sample_by": "document"} if fmt == "text" else {}
     try:
         rows = ds.load_dataset(fmt, data_files=[str(path)], split="train", streaming=True, **kwargs)
     except Exception as err:
         raise CorpusError(f"source '{spec.label}': {path}: cannot read as {fmt}: {_line(err)}") from err
     field = "text" if fmt == "text" else spec.text_field
-    yield from _rows(spec, rows, str(path), f"{path.name}#", field)
+    yield from _rows(spec, rows, str(path), prefix, field)
+
+
+def _not_cached(spec: SourceSpec) -> CorpusError:
+    return CorpusError(
+        f"source '{spec.label}': {spec.hub} (revision {spec.revision}) is not in the local Hugging Face "
+        "cache and the build is offline; download it once with `make data GRID=<grid> SCALE=<scale> "
+        "DOWNLOAD=1` on a machine with internet, or point a files: source at a copy of its files"
+    )
+
+
+def hub_snapshot(spec: SourceSpec, download: bool = False) -> Path:
+    """The local folder of the hub data set's ``data_files`` at exactly its ``revision``, from the
+    Hugging Face cache (``huggingface_hub.snapshot_download``); ``download`` fetches what is missing.
+
+    Raises:
+        CorpusError: offline and that revision's files are not cached, or the download failed.
+    """
+    from huggingface_hub import snapshot_download
+
+    with hub_offline(not download):
+        try:
+            folder = snapshot_download(
+                repo_id=spec.hub, repo_type="dataset", revision=spec.revision,
+                allow_patterns=list(spec.data_files), local_files_only=not download,
+            )  # fmt: skip
+        except Exception as err:
+            if download:
+                raise CorpusError(f"source '{spec.label}': cannot download {spec.hub}: {_line(err)}") from err
+            raise _not_cached(spec) from err
+    return Path(folder)
+
+
+def hub_files(spec: SourceSpec, root: Path) -> list[Path]:
+    """The snapshot's files that ``data_files`` names, sorted.
+
+    Raises:
+        CorpusError: the patterns match nothing in the snapshot (an incomplete download, or a typo).
+    """
+    paths = sorted({p.resolve() for pattern in spec.data_files for p in root.glob(pattern) if p.is_file()})
+    if not paths:
+        raise CorpusError(
+            f"source '{spec.label}': data_files {list(spec.data_files)} match no file of {root}"
+        )
+    return paths
 
 
 def open_hub(spec: SourceSpec, download: bool = False) -> Any:
-    """The hub data set's split: streamed from the network when the source is ``online``, read from
-    the local cache otherwise, downloaded into it with ``download``.
+    """The hub data set's rows through ``datasets.load_dataset``: streamed from the hub when the
+    source is ``online`` (only the rows read are fetched), else from the local cache, downloaded
+    into it with ``download``. Offline, ``datasets`` serves the latest cached version whatever
+    the revision; give ``data_files`` to read exactly the pinned one (:func:`hub_snapshot`).
 
     Raises:
         CorpusError: offline and not in the cache; the line names the command that downloads it.
     """
-    ds = offline_datasets()
+    ds = quiet_datasets()
     online = spec.online or download
-    if online:  # a process that downloads is the one place the hub is reached
-        ds.config.HF_HUB_OFFLINE = False
-        ds.config.HF_DATASETS_OFFLINE = False
+    stream = spec.online and not download
     try:
-        return ds.load_dataset(
-            spec.hub,
-            spec.config,
-            split=spec.split,
-            revision=spec.revision,
-            streaming=spec.online and not download,
-        )
+        with hub_offline(not online):
+            if spec.data_files is not None:  # online: the pinned files, streamed through hf://
+                files = [f"hf://datasets/{spec.hub}@{spec.revision}/{p}" for p in spec.data_files]
+                fmt = file_format(spec, Path(spec.data_files[0]))
+                return ds.load_dataset(fmt, data_files=files, split="train", streaming=True)
+            return ds.load_dataset(
+                spec.hub, spec.config, split=spec.split, revision=spec.revision, streaming=stream
+            )
     except Exception as err:
         if online:
             raise CorpusError(f"source '{spec.label}': cannot load {spec.hub}: {_line(err)}") from err
-        raise CorpusError(
-            f"source '{spec.label}': {spec.hub} (config {spec.config}, split {spec.split}, revision "
-            f"{spec.revision}) is not in the local Hugging Face cache and the build is offline; "
-            "download it once with `make data GRID=<grid> SCALE=<scale> DOWNLOAD=1` on a machine with "
-            "internet, or point a files: source at a copy of its Parquet files"
-        ) from err
+        raise _not_cached(spec) from err
 
 
 def _rows(spec: SourceSpec, rows: Any, where: str, prefix: str, field: str | None = None) -> Iterator[Doc]:

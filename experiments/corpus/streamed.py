@@ -69,16 +69,20 @@ def pretrained(cfg: DataConfig) -> tuple[Tokenizer, int]:
 
 
 def train_texts(cfg: DataConfig, downloads: Path) -> Iterator[str]:
-    """The train split's first documents of each source, up to ``max_chars_per_source`` or
-    :data:`BPE_SAMPLE_CHARS` characters, whichever is less: what the BPE is trained on (one
-    streamed pass; the trainer keeps word counts, not texts)."""
+    """The train split's first documents of each source, up to :data:`BPE_SAMPLE_CHARS`
+    characters (a package source's ``max_chars_per_source`` if less): what the BPE is trained on
+    (one streamed pass; the trainer keeps word counts, not texts)."""
     for spec in cfg.specs():
+        if spec.package and sources.unavailable([spec.package]):
+            continue
         chars = 0
         for doc in D.documents(spec, downloads):
             if split_of(spec.label, doc.doc_id, cfg) == "train" and doc.text.strip():
                 yield doc.text
                 chars += len(doc.text)
-                if chars >= min(cfg.max_chars_per_source, BPE_SAMPLE_CHARS):
+                if chars >= min(
+                    cfg.max_chars_per_source if spec.package else BPE_SAMPLE_CHARS, BPE_SAMPLE_CHARS
+                ):
                     break
 
 
@@ -127,7 +131,9 @@ def build_streamed(
         CorpusError: a source cannot be read (``documents``), yields nothing, or leaves a domain
             without a document in some split.
     """
-    specs = cfg.specs()
+    packages = [s.package for s in cfg.specs() if s.package]
+    kept = set(sources.available(packages, log, required=len(packages) == len(cfg.specs())))
+    specs = [s for s in cfg.specs() if not s.package or s.package in kept]
     domains = sorted({domain_of(s) for s in specs})
     dtype = np.dtype(np.uint16 if tokenizer.get_vocab_size() <= 65536 else np.uint32)
     (out / "val").mkdir()
@@ -186,6 +192,7 @@ def _encode_source(
     docs = dict.fromkeys(SPLITS, 0)
     chars = 0
     token_cap = spec.max_tokens or float("inf")
+    char_cap = cfg.max_chars_per_source if spec.kind == "package" else float("inf")  # files, hub: max_tokens
     eos = np.array([eos_id], dtype=dtype)
     seen = 0
     for batch in _batches(D.documents(spec, downloads)):
@@ -195,9 +202,7 @@ def _encode_source(
             seen += 1
             tokens = len(enc.ids) + (0 if enc.ids and enc.ids[-1] == eos_id else 1)
             kept = sum(docs.values())
-            if kept >= 3 and (
-                chars + len(doc.text) > cfg.max_chars_per_source or sum(counts.values()) + tokens > token_cap
-            ):
+            if kept >= 3 and (chars + len(doc.text) > char_cap or sum(counts.values()) + tokens > token_cap):
                 full = True  # stop, not skip: skipping would favour short documents
                 break
             split = split_of(spec.label, doc.doc_id, cfg)
@@ -247,6 +252,9 @@ def _provenance(spec: SourceSpec) -> dict[str, Any]:
     if spec.kind == "files":
         paths = D.matched_files(spec)
         return {"file_list": _stats(paths), "sha256": D.file_sha256(paths)}
+    if spec.kind == "hub" and spec.data_files and not spec.online:  # the files of exactly that revision
+        paths = D.hub_files(spec, D.hub_snapshot(spec))
+        return {"revision": spec.revision, "file_list": _stats(paths), "sha256": D.file_sha256(paths)}
     if spec.kind == "hub":
         return {"revision": spec.revision}
     src = sources.SOURCES[spec.package]
@@ -265,8 +273,10 @@ def changed_input(cfg: DataConfig, manifest: dict[str, Any]) -> str | None:
     Raises:
         CorpusError: a ``files`` pattern now matches nothing (``documents.matched_files``).
     """
-    for spec, entry in zip(cfg.specs(), manifest["sources"]):
-        if spec.kind != "files":
+    entries = {entry["name"]: entry for entry in manifest["sources"]}
+    for spec in cfg.specs():
+        entry = entries.get(spec.label)
+        if spec.kind != "files" or entry is None:
             continue
         paths = D.matched_files(spec)
         now = _stats(paths)

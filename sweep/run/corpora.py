@@ -8,7 +8,8 @@ from pathlib import Path
 
 from experiments.config import DataConfig
 from experiments.corpus import Corpus, build_corpus
-from experiments.corpus.documents import open_hub, preflight
+from experiments.corpus.documents import hub_snapshot, open_hub, preflight
+from experiments.data import disjoint_windows
 from sweep.grid import Cell, Grid
 from sweep.gridfile import GridError
 
@@ -24,13 +25,27 @@ def check_sources(data: DataConfig) -> None:
         preflight(data.specs())
 
 
-def check_vocab(grid: Grid, cells: list[Cell], corpus: Corpus) -> None:
-    """The model of each cell can embed every id of the corpus's tokenizer.
+def check_fits(grid: Grid, cells: list[Cell], corpus: Corpus) -> None:
+    """The model of each cell can embed every id of the corpus's tokenizer, and a budget that
+    reads no token twice (``data.train_windows: disjoint``) has the windows it reads.
 
     Raises:
-        GridError: naming the row and ``model.vocab_size``, the tokenizer's size and its file.
+        GridError: naming the row and ``model.vocab_size`` (the tokenizer's size and its file) or
+            ``train.max_steps`` (the windows asked and held).
     """
     for cell in cells:
+        t = cell.config.train
+        if cell.config.data.train_windows == "disjoint":
+            held = disjoint_windows(len(corpus.tokens("train")), t.seq_len)
+            if t.max_steps * t.batch_size > held:
+                raise GridError(
+                    grid.file,
+                    f"{t.max_steps} steps of {t.batch_size} windows read {t.max_steps * t.batch_size:,} "
+                    f"disjoint windows of {t.seq_len + 1} tokens, but the corpus holds {held:,}; give "
+                    "a source more max_tokens or train fewer steps",
+                    cell.row.id,
+                    "train.max_steps",
+                )
         if cell.config.model.vocab_size < corpus.vocab_size:
             origin = corpus.manifest["tokenizer"].get("pretrained", corpus.root / "tokenizer.json")
             raise GridError(
@@ -58,11 +73,11 @@ def build_corpora(
         if download and data.synthetic is None:
             for spec in data.specs():
                 if spec.kind == "hub":
-                    out(f"downloading {spec.hub} ({spec.config}, {spec.split}, revision {spec.revision})")
-                    open_hub(spec, download=True)
+                    out(f"downloading {spec.label} at revision {spec.revision}")
+                    hub_snapshot(spec, download=True) if spec.data_files else open_hub(spec, download=True)
         check_sources(data)
         corpus = build_corpus(data, cache_root, log=out)
-        check_vocab(grid, [c for c in cells if c.config.data == data], corpus)
+        check_fits(grid, [c for c in cells if c.config.data == data], corpus)
         tokens = corpus.manifest["tokens"]
         out(f"corpus {corpus.root}: vocabulary {corpus.vocab_size}")
         for domain in corpus.domains:

@@ -18,7 +18,7 @@ from experiments.names import Outcome, Status
 from experiments.stability import Diverged
 from sweep.grid import Cell, Grid
 from sweep.run.cell import checkpoint_dir, train_cell
-from sweep.run.corpora import check_sources, check_vocab
+from sweep.run.corpora import check_fits, check_sources
 from sweep.run.interrupt import Interrupted, StopOnRequest, StopRequest
 from sweep.run.placement import check_runnable, placement_change
 from sweep.run.progress import ProgressPrinter, SweepClock
@@ -92,7 +92,7 @@ def prepare_sweep(
         check_sources(data_cfg)
     check_reachable(uri)
     for data_cfg in recipes:
-        check_vocab(
+        check_fits(
             grid, [c for c in cells if c.config.data == data_cfg], build_corpus(data_cfg, cache_root, log=out)
         )
     tracker = Tracker(uri, experiment_name(grid.name, scale), results_dir / "mlartifacts", out)

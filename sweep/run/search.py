@@ -9,7 +9,9 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
+from experiments.corpus import build_corpus
 from sweep.grid import Cell, Grid
+from sweep.run.corpora import check_fits, check_sources
 from sweep.run.interrupt import StopRequest
 from sweep.run.tune import tune_row
 from sweep.studies import trial_outcome
@@ -38,6 +40,8 @@ def tune_rows(
     Ctrl-C stops the running trial at its next step: it fails cleanly and does not count.
 
     Raises:
+        experiments.corpus.CorpusError, GridError: a source cannot be read here, or the model does
+            not fit the corpus (``sweep.run.corpora``).
         ValueError: a row is a later stage (its trial would train from scratch, not from its
             parent's weights), or a study holds trials of another config or ladder.
         SearchStopped: Ctrl-C or SIGTERM.
@@ -48,6 +52,9 @@ def tune_rows(
         raise ValueError(
             f"rows {', '.join(staged)} are later stages (parent:); the LR search trains first stages only"
         )
+    for data in {c.config.data for c in cells}:  # one line, exit 2, before any study or run exists
+        check_sources(data)
+        check_fits(grid, [c for c in cells if c.config.data == data], build_corpus(data, cache_root))
     with StopRequest() as stop:
         stop.arm()
         args = (trials, results, storage, lr_range, ladder, cache_root)
