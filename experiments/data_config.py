@@ -220,6 +220,10 @@ class DataConfig:
         for i, label in enumerate(labels):
             if label in labels[:i]:
                 raise ConfigError(f"sources[{i}]", f"lists source '{label}' twice")
+        if self.synthetic is not None and self.train_windows != "random":
+            raise ConfigError(
+                "train_windows", "a synthetic task's windows start at its sequences; leave it random"
+            )
         if self.vocab_size < 257:
             raise ConfigError("vocab_size", f"must exceed the 256 byte symbols, got {self.vocab_size}")
         for name in ("val_fraction", "test_fraction"):

@@ -16,7 +16,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from experiments import corpus as C
-from experiments.config import DataConfig, from_dict
+from experiments.config import ConfigError, DataConfig, from_dict
 from experiments.corpus.streamed import split_of
 from experiments.data import RandomWindows, disjoint_windows
 from sweep.cli import main
@@ -85,7 +85,8 @@ def test_files_of_three_formats_build_with_documents_whole_and_split_by_their_ha
     assert [len(e["file_list"]) for e in entries] == [1, 1, 30]
     assert all(len(e["sha256"]) == 64 for e in entries)
     record = corpus.provenance()
-    assert record["sources"][0]["file_list"][0][0] == str((tmp_path / "data" / "web.jsonl").resolve())
+    assert record["sources"][0]["file_list"][0][0] == "web.jsonl"
+    assert record["sources"][2]["root"] == str(tmp_path / "data")
 
 
 def test_the_same_recipe_gives_the_same_bytes(tmp_path: Path) -> None:
@@ -301,11 +302,14 @@ def test_a_hub_source_with_data_files_reads_exactly_its_revision_from_the_cache(
 ) -> None:
     import huggingface_hub
 
+    # As in a real Hugging Face cache: the snapshot's files are links into blobs/ named by hash.
     snapshot = tmp_path / "snapshots" / "0123abcd"
     (snapshot / "sample").mkdir(parents=True)
+    (tmp_path / "blobs").mkdir()
     rng = random.Random(5)
     texts = [_text(rng) for _ in range(50)]
-    pq.write_table(pa.table({"text": texts}), snapshot / "sample" / "000.parquet")
+    pq.write_table(pa.table({"text": texts}), tmp_path / "blobs" / "9f86d081884c7d65")
+    (snapshot / "sample" / "000.parquet").symlink_to("../../../blobs/9f86d081884c7d65")
     calls = []
 
     def snapshot_download(repo_id, repo_type, revision, allow_patterns, local_files_only):
@@ -323,6 +327,41 @@ def test_a_hub_source_with_data_files_reads_exactly_its_revision_from_the_cache(
     assert calls[0] == ("org/web-sample", "dataset", "0123abcd", ["sample/*.parquet"], True)
     entry = corpus.manifest["sources"][0]
     assert entry["name"] == "hub:org/web-sample:sample/*.parquet" and sum(entry["n_docs"].values()) == 50
+    assert entry["file_list"][0][0] == "000.parquet" and entry["revision"] == "0123abcd"
     other = from_dict(DataConfig, {"sources": [{**spec, "revision": "ffff"}]})
     with pytest.raises(C.CorpusError, match="revision ffff.* is not in the local Hugging Face cache"):
         C.build_corpus(other, tmp_path / "cache", log=lambda _m: None)
+
+
+def test_moving_the_checkout_keeps_the_corpus_of_relative_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _write(tmp_path / "a" / "data")
+    spec = {"files": "data/*.parquet", "domain": "web", "text_field": "body"}
+    cfg = from_dict(
+        DataConfig, {"vocab_size": 300, "val_fraction": 0.2, "test_fraction": 0.2, "sources": [spec]}
+    )
+    monkeypatch.chdir(tmp_path / "a")
+    first = C.build_corpus(cfg, tmp_path / "cache", log=lambda _m: None)
+    (tmp_path / "a").rename(tmp_path / "b")  # mv keeps the files' modification times
+    monkeypatch.chdir(tmp_path / "b")
+    again = C.build_corpus(cfg, tmp_path / "cache", log=lambda _m: None)
+    assert again.root == first.root and again.manifest["sources"][0]["file_list"][0][0] == "web.parquet"
+
+
+def test_a_package_that_cannot_be_read_in_the_streaming_build_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def unreadable(archive):
+        raise OSError("archive truncated")
+        yield  # a generator, as the real extractors are
+
+    monkeypatch.setitem(C.sources.SOURCES, "stdlib", C.Source("code", "x", "x", unreadable))
+    cfg = from_dict(DataConfig, {"sources": [{"package": "stdlib", "max_tokens": 1000}]})
+    with pytest.raises(C.CorpusError, match="^source 'stdlib': OSError: archive truncated$"):
+        C.build_corpus(cfg, tmp_path / "cache", log=lambda _m: None)
+
+
+def test_disjoint_windows_are_refused_for_a_synthetic_task() -> None:
+    with pytest.raises(ConfigError, match="train_windows: a synthetic task's windows start at its sequences"):
+        from_dict(DataConfig, {"synthetic": {}, "train_windows": "disjoint"})

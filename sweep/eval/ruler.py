@@ -69,6 +69,7 @@ def ruler_scores(
     device: str | torch.device | None = None,
     yarn: bool = False,
     batch_size: int = 8,
+    eot_id: int = 0,
 ) -> dict[str, float]:
     """Score ``model`` on RULER ``tasks`` at each of ``lengths`` (tokens, the answer's included),
     ``limit`` samples each, with no network.
@@ -108,7 +109,7 @@ def ruler_scores(
 
     from experiments.lm_wrapper import GatedAttnLM
 
-    lm = GatedAttnLM(model, tokenizer, batch_size=batch_size, device=device)
+    lm = GatedAttnLM(model, tokenizer, eot_id=eot_id, batch_size=batch_size, device=device)
     folder = Path(lm_eval.__file__).parent / "tasks" / "ruler"  # a namespace package: no __init__
     scores: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="ruler-tokenizer-") as hf_dir:

@@ -108,8 +108,12 @@ def prepare_lm_eval(spec: EvalConfig) -> None:
     if all(t in OFFLINE_TASKS + BIGBENCH_TASKS for t in spec.tasks):
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import datasets  # noqa: F401
+    import datasets
+    import huggingface_hub.constants
     import lm_eval  # noqa: F401
+
+    if os.environ.get("HF_HUB_OFFLINE") == "1":  # both read it at import, maybe before it was set here
+        huggingface_hub.constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
 
     logging.getLogger("lm_eval").setLevel(logging.ERROR)  # per-task notices would bury the sweep's lines
 
