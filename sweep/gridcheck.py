@@ -48,6 +48,9 @@ def check_references(file: Path, spec: Any) -> None:
     for scale in spec.eval.scales or ():
         if scale not in spec.scales:
             raise GridError(file, f"names no scale of the grid: '{scale}'", path="eval.scales")
+    for scale in spec.eval.at:
+        if scale not in spec.scales:
+            raise GridError(file, f"names no scale of the grid: '{scale}'", path="eval.at")
     if spec.baseline_row not in ids:
         raise GridError(file, f"names no row of the grid: '{spec.baseline_row}'", path="baseline_row")
     for i, row in enumerate(spec.rows):

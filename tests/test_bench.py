@@ -327,15 +327,17 @@ def test_make_eval_scores_finished_runs_without_retraining(
 
 
 def test_the_table_shows_acc_or_the_only_score_headed_with_the_logged_chance(tmp_path: Path) -> None:
+    from dataclasses import replace
+
     import pandas as pd
 
     from experiments.names import bench_score_key
+    from sweep.evalspec import ScaleEval
     from sweep.report.tables import bench_columns
     from tests.test_grid import GOOD, write
 
-    grid = load_grid(
-        write(tmp_path, GOOD + "eval: {tasks: [offline_mmlu_dev, offline_humaneval, hellaswag]}\n")
-    )
+    tasks = "offline_mmlu_dev, offline_humaneval, hellaswag, offline_gsm8k, offline_sciq"
+    grid = load_grid(write(tmp_path, GOOD + f"eval: {{tasks: [{tasks}]}}\n"))
     runs = pd.DataFrame(
         [
             {
@@ -348,10 +350,20 @@ def test_the_table_shows_acc_or_the_only_score_headed_with_the_logged_chance(tmp
             }
         ]
     )
-    mmlu, humaneval, hellaswag = bench_columns(grid, runs)
+    # at a scale whose make sweep scores every task, every task is a column
+    assert len(bench_columns(grid, "tiny", runs)) == 5
+    # where it scores a subset, a task neither in it nor scored is none (hellaswag, offline_sciq),
+    # unless it is one of the paper's (offline_gsm8k)
+    grid = replace(grid, eval=replace(grid.eval, at={"tiny": ScaleEval(tasks=("offline_mmlu_dev",))}))
+    mmlu, humaneval, gsm8k = bench_columns(grid, "tiny", runs)
     assert (mmlu.metric, mmlu.heading) == ("bench/offline_mmlu_dev/acc", "mmlu_dev acc (chance 0.250)")
     assert (humaneval.metric, humaneval.heading) == ("bench/offline_humaneval/pass_at_1", "humaneval pass@1")
-    assert hellaswag.metric == "bench/hellaswag/acc"  # not scored yet: acc, no chance
+    assert (gsm8k.metric, gsm8k.paper) == (
+        "bench/offline_gsm8k/bpb",
+        "gsm8k",
+    )  # not scored yet: its BENCH_METRIC
+    runs["bench/hellaswag/acc"] = 0.3
+    assert [b.metric for b in bench_columns(grid, "tiny", runs)][2] == "bench/hellaswag/acc"
     assert bench_score_key("t", ["bench/t/acc_norm", "bench/t/acc", "bench/t/chance"]) == "bench/t/acc"
     assert bench_score_key("t", ["bench/t/exact_match", "bench/t/chance"]) == "bench/t/exact_match"
     assert bench_score_key("t", ["bench/t/chance", "bench/u/acc"]) is None

@@ -104,11 +104,23 @@ def test_an_empty_continuation_is_an_error_naming_the_request(lm: GatedAttnLM) -
         lm._score([([], [6])])
 
 
-def test_a_continuation_longer_than_the_window_is_an_error_not_its_tail(lm: GatedAttnLM) -> None:
-    continuation = " " + TEXT[:300]
-    assert len(lm.tok_encode("the" + continuation)) - 1 > WINDOW
-    with pytest.raises(ValueError, match=rf"continuation tokens, more than the window of {WINDOW}"):
-        loglikelihood(lm, "the", continuation)
+def test_a_continuation_longer_than_the_window_is_scored_in_windows_of_preceding_tokens(
+    lm: GatedAttnLM,
+) -> None:
+    context, continuation = lm._encode_pair("the", " " + TEXT[:300])
+    assert len(continuation) > WINDOW
+    whole = context + continuation
+    # piece k: continuation tokens [k W, (k+1) W), after the W (or fewer) tokens before them
+    expected, at = 0.0, 0
+    while at < len(continuation):
+        n = min(WINDOW, len(continuation) - at)
+        end = len(context) + at + n
+        window = whole[max(0, end - WINDOW - 1) : end]
+        expected += direct_logprob(lm, window, n)
+        at += n
+    logprob, greedy = loglikelihood(lm, "the", " " + TEXT[:300])
+    assert logprob == pytest.approx(expected, abs=1e-4)
+    assert greedy is False
 
 
 def test_an_empty_document_totals_zero_and_a_word_split_nowhere_is_scored_whole(lm: GatedAttnLM) -> None:

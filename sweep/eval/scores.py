@@ -34,7 +34,7 @@ from experiments.names import (
 )
 from sweep.eval.humaneval_exec import TIMEOUT_S
 from sweep.eval.sandbox import OPT_IN, code_eval_allowed, limits_line
-from sweep.eval.suite import BIGBENCH_TASKS, CODE_TASKS, OFFLINE_TASKS, chance, task_dir
+from sweep.eval.suite import BIGBENCH_TASKS, CODE_TASKS, OFFLINE_TASKS, chance, needs, task_dir
 from sweep.grid import Cell, EvalConfig
 from sweep.store import Tracker
 
@@ -65,7 +65,7 @@ def evaluate_checkpoint(
 
     from experiments.lm_wrapper import GatedAttnLM
 
-    suite = task_dir(cache_root, bigbench=any(t in BIGBENCH_TASKS for t in tasks))
+    suite = task_dir(cache_root, **needs(tasks))
     corpus = build_corpus(cfg.data, cache_root, log=lambda _msg: None)
     lm = GatedAttnLM.from_checkpoint(
         checkpoint,
@@ -78,11 +78,14 @@ def evaluate_checkpoint(
     )
     manager = _task_manager(str(suite), all(t in OFFLINE_TASKS + BIGBENCH_TASKS for t in spec.tasks))
     metrics: dict[str, float] = {}
-    for task in tasks:
+    by_shots: dict[int, list[str]] = {}
+    for task in tasks:  # one lm-eval call per shot count: each call costs about 0.4 s of set-up
+        by_shots.setdefault(spec.fewshot(task), []).append(task)
+    for shots, group in by_shots.items():
         out = simple_evaluate(
             model=lm,
-            tasks=[task],
-            num_fewshot=spec.fewshot(task),
+            tasks=group,
+            num_fewshot=shots,
             limit=spec.limit,
             task_manager=manager,
             log_samples=False,
@@ -93,10 +96,11 @@ def evaluate_checkpoint(
             fewshot_random_seed=0,
             confirm_run_unsafe_code=code_eval_allowed(),  # HF_ALLOW_CODE_EVAL=1: sweep.eval.sandbox
         )
-        metrics.update(parse_results(task, out["results"][task]))
-        level = chance(suite, task)
-        if level is not None:
-            metrics[bench_chance_key(task)] = level
+        for task in group:
+            metrics.update(parse_results(task, out["results"][task]))
+            level = chance(suite, task)
+            if level is not None:
+                metrics[bench_chance_key(task)] = level
     return metrics
 
 
@@ -164,7 +168,7 @@ def log_missing_chance(
                 and scored(run, task, spec)
                 and bench_chance_key(task) not in run.data.metrics
             ):
-                value = chance(task_dir(cache_root, bigbench=task in BIGBENCH_TASKS), task)
+                value = chance(task_dir(cache_root, **needs([task])), task)
                 if value is not None:
                     level[bench_chance_key(task)] = value
         if level:
@@ -208,6 +212,9 @@ def evaluate_missing(
 
     Returns:
         (evaluated, failed) counts.
+
+    Raises:
+        BenchError: the suite's data cannot be had (a download failed, a damaged wheel).
     """
     if not spec.tasks:
         return 0, 0
@@ -221,6 +228,7 @@ def evaluate_missing(
     todo = missing_scores(tracker, cells, runnable, spec)
     if todo:
         prepare_lm_eval(spec)
+        task_dir(cache_root, **needs(runnable))  # a missing or damaged wheel: one BenchError, not one per run
     code = [t for t in runnable if t in CODE_TASKS]
     if code and any(not scored(run, t, spec) for _, run in todo for t in code):
         out(f"warning: {OPT_IN}=1: {', '.join(code)} runs model-generated code: {limits_line(TIMEOUT_S)}")

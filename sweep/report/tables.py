@@ -24,32 +24,58 @@ from sweep.grid import Grid, Row, paper_csv, table_number
 
 @dataclass(frozen=True)
 class BenchColumn:
-    """One benchmark column: the task, the metric key shown, and its chance level (NaN: none)."""
+    """One benchmark column: the task, the metric key shown, its chance level (NaN: none) and
+    the column of the paper's tables it stands beside (``hellaswag``, ``mmlu``, ``gsm8k``; None)."""
 
     task: str
     metric: str
     chance: float = math.nan
+    paper: str | None = None
 
     @property
     def heading(self) -> str:
-        """``mmlu_dev acc (chance 0.250)``; pass@1 has no chance level."""
+        """``mmlu acc (chance 0.250)``; pass@1 and bpb have no chance level."""
         name = f"{self.task.removeprefix('offline_')} {N.bench_metric_name(self.task, self.metric)}"
         return name + (f" (chance {self.chance:.3f})" if not math.isnan(self.chance) else "")
 
 
-def bench_columns(grid: Grid, runs: pd.DataFrame) -> list[BenchColumn]:
-    """The grid's ``eval.tasks`` as columns over the finished ``runs``: each shows the score its
-    runs logged (``experiments.names.bench_score_key``; before any is, the task's
-    ``BENCH_METRIC`` or ``acc``) with the chance level the scoring logged."""
+def bench_columns(grid: Grid, scale: str, runs: pd.DataFrame) -> list[BenchColumn]:
+    """The grid's ``eval.tasks`` as columns over the finished ``runs``: those ``make sweep``
+    scores at ``scale`` and the paper's (Table 1's Hellaswag, MMLU, GSM8k) always, any other once
+    a run has scored it. Each shows the score its runs logged (``experiments.names.
+    bench_score_key``; before any is, the task's ``BENCH_METRIC`` or ``acc``) with the chance
+    level the scoring logged."""
     if "status" in runs.columns:
         runs = runs[runs["status"] == Status.FINISHED]
+    swept = grid.eval.for_scale(scale, sweep=True).tasks
     out = []
     for task in grid.eval.tasks:
+        paper = N.BENCH_PAPER_COLUMN.get(task)
+        if task not in swept and paper is None and not any(c.startswith(N.bench_prefix(task)) for c in runs):
+            continue
         metric = N.bench_score_key(task, runs.columns) or N.bench_key(task, N.BENCH_METRIC.get(task, "acc"))
         chance_key = N.bench_chance_key(task)
         chance = float(runs[chance_key].dropna().mean()) if chance_key in runs else math.nan
-        out.append(BenchColumn(task, metric, chance))
+        out.append(BenchColumn(task, metric, chance, paper))
     return out
+
+
+def bpb_tasks(grid: Grid, scale: str) -> list[str]:
+    """The tasks whose mean bits per byte is the "Bench bpb" column at ``scale``: the wheel tasks
+    ``make sweep`` scores there (the same set for every run, so the means compare)."""
+    return [t for t in grid.eval.for_scale(scale, sweep=True).tasks if t in N.BPB_TASKS]
+
+
+def mean_bpb(runs: pd.DataFrame, tasks: list[str]) -> pd.Series:
+    """Per run, the mean bits per byte over ``tasks``; NaN where a run lacks one of them."""
+    keys = [N.bench_key(t, N.BENCH_BPB) for t in tasks]
+    if not keys or any(k not in runs.columns for k in keys):
+        return pd.Series(math.nan, index=runs.index)
+    return runs[keys].mean(axis=1, skipna=False)
+
+
+#: The runs frame's column of each run's mean bits per byte over :func:`bpb_tasks`.
+BENCH_BPB_MEAN = "bench/mean_bpb"
 
 
 def paper_table(name: str | None) -> pd.DataFrame | None:
@@ -139,8 +165,9 @@ def build_table(grid: Grid, scale: str, runs: pd.DataFrame) -> pd.DataFrame:
     diverged = runs[runs["status"] == Status.DIVERGED].groupby("row").size().to_dict()
     runs = runs[runs["status"] == Status.FINISHED]
     domains = sorted(d for c in runs.columns if (d := N.domain_of(c)))
+    runs = runs.assign(**{BENCH_BPB_MEAN: mean_bpb(runs, bpb_tasks(grid, scale))})
     by_row = {rid: g.set_index("seed") for rid, g in runs.groupby("row")} if len(runs) else {}
-    bench = bench_columns(grid, runs)
+    bench = bench_columns(grid, scale, runs)
     lines = []
     for number, row, total, active, added in row_parameters(grid, scale):
         paper = paper_table(row.paper_table) if row.paper_table else grid_paper
@@ -175,6 +202,14 @@ def build_table(grid: Grid, scale: str, runs: pd.DataFrame) -> pd.DataFrame:
             line[key], line[f"{key}_std"] = _stat(mine, b.metric)
             scored = mine is not None and b.metric in mine
             line[f"{key}_n"] = int(mine[b.metric].notna().sum()) if scored else 0
+            if b.paper:
+                line[f"paper_{b.paper}"] = paper_value(paper, row, b.paper)
+        line["bench_bpb"], line["bench_bpb_std"] = _stat(mine, BENCH_BPB_MEAN)
+        b_d = b_lo = b_hi = math.nan  # paired by seed, as Δ Avg PPL
+        if row.id != reference.id and mine is not None and base_runs is not None:
+            b_d, b_lo, b_hi, _ = paired_delta(mine[BENCH_BPB_MEAN], base_runs[BENCH_BPB_MEAN])
+        line["delta_bench_bpb"], line["delta_bench_bpb_low"], line["delta_bench_bpb_high"] = b_d, b_lo, b_hi
+        line["paper_ceval"] = paper_value(paper, row, "ceval")
         line["paper_added_params_m"] = paper_value(paper, row, "added_params_m")
         line["paper_avg_ppl"] = paper_value(paper, row, "avg_ppl")
         line["paper_delta"] = line["paper_avg_ppl"] - paper_value(grid_paper, reference, "avg_ppl")

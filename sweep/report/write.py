@@ -80,7 +80,7 @@ def write_tables(
     table = build_table(grid, scale, runs)
     sides = side_of_reference(mean, grid)
     table["vs_reference_last_half"] = [sides.get(r, "") for r in table["id"]]
-    shown = display_table(table, grid.columns, bench_columns(grid, runs), grid.share_of)
+    shown = display_table(table, grid.columns, bench_columns(grid, scale, runs), grid.share_of)
     paths = table_paths(grid, scale, results_dir)
     stem = paths["md"].stem
     figures: dict[str, Path] = {}
