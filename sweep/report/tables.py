@@ -24,13 +24,15 @@ from sweep.grid import Grid, Row, paper_csv, table_number
 
 @dataclass(frozen=True)
 class BenchColumn:
-    """One benchmark column: the task, the metric key shown, its chance level (NaN: none) and
-    the column of the paper's tables it stands beside (``hellaswag``, ``mmlu``, ``gsm8k``; None)."""
+    """One benchmark column: the task, the metric key shown, its chance level (NaN: none), the
+    column of the paper's tables it stands beside (``hellaswag``, ``mmlu``, ``gsm8k``; None)."""
 
     task: str
     metric: str
     chance: float = math.nan
     paper: str | None = None
+    swept: bool = True
+    """Whether ``make sweep`` scores it at the table's scale (else ``make eval`` does)."""
 
     @property
     def heading(self) -> str:
@@ -56,7 +58,7 @@ def bench_columns(grid: Grid, scale: str, runs: pd.DataFrame) -> list[BenchColum
         metric = N.bench_score_key(task, runs.columns) or N.bench_key(task, N.BENCH_METRIC.get(task, "acc"))
         chance_key = N.bench_chance_key(task)
         chance = float(runs[chance_key].dropna().mean()) if chance_key in runs else math.nan
-        out.append(BenchColumn(task, metric, chance, paper))
+        out.append(BenchColumn(task, metric, chance, paper, task in swept))
     return out
 
 
