@@ -350,3 +350,17 @@ def test_the_real_wheel_holds_every_task_with_its_files_own_counts() -> None:
     assert roof["choices"][roof["gold"]] == " starts pulling up roofing on a roof."
     gsm8k = W.read_docs(wheel, "offline_gsm8k")
     assert all(d["context"].count("Question:") == 9 and len(d["choices"]) == 1 for d in gsm8k)  # 8 shots
+
+
+def test_the_paired_standard_error_is_the_std_of_the_differences_over_root_n() -> None:
+    from sweep.eval.paired import main, paired_se
+    from tests.conftest import ROOT
+
+    diff, se = paired_se([3.0, 3.5, 4.0, 2.5], [2.9, 3.3, 4.0, 2.2])  # differences -0.1 -0.2 0 -0.3
+    assert diff == pytest.approx(-0.15)
+    assert se == pytest.approx(math.sqrt(((0.05**2) * 2 + 0.15**2 * 2) / 3) / 2)
+    with pytest.raises(ValueError, match="need two or more"):
+        paired_se([1.0], [1.0])
+    grid = str(ROOT / "grids" / "table1.yaml")
+    assert main(["--rows", "baseline", "--grid", grid]) == 2  # one row is no pair
+    assert main(["--rows", "baseline,sdpa_elementwise", "--grid", grid, "--tasks", "offline_humaneval"]) == 2

@@ -45,6 +45,7 @@ def evaluate_checkpoint(
     spec: EvalConfig,
     cache_root: Path | None = None,
     tasks: list[str] | None = None,
+    samples: dict[str, list[dict[str, Any]]] | None = None,
 ) -> dict[str, float]:
     """Run ``tasks`` (default ``spec.tasks``) on the model in ``checkpoint`` (``final.ckpt``) with
     lm-eval.
@@ -52,7 +53,8 @@ def evaluate_checkpoint(
     Offline tasks come from ``sweep.eval.suite``; with only those, the Hugging Face libraries
     are put in offline mode (:func:`prepare_lm_eval`). Returns ``{bench/<task>/<metric>:
     value}``, ``..._stderr`` where lm-eval gives a standard error (it gives none for n = 1) and
-    ``bench/<task>/chance`` for the suite's multiple-choice tasks.
+    ``bench/<task>/chance`` for the suite's multiple-choice tasks. A ``samples`` dict gets, per
+    task, lm-eval's per-document records in document order (each with its metrics: ``bpb``...).
 
     Raises:
         CodeEvalRefused: a task runs model-generated code and ``HF_ALLOW_CODE_EVAL`` is not 1
@@ -88,7 +90,7 @@ def evaluate_checkpoint(
             num_fewshot=shots,
             limit=spec.limit,
             task_manager=manager,
-            log_samples=False,
+            log_samples=samples is not None,
             bootstrap_iters=1000,
             random_seed=0,
             numpy_random_seed=0,
@@ -98,6 +100,8 @@ def evaluate_checkpoint(
         )
         for task in group:
             metrics.update(parse_results(task, out["results"][task]))
+            if samples is not None:
+                samples[task] = sorted(out["samples"][task], key=lambda record: record["doc_id"])
             level = chance(suite, task)
             if level is not None:
                 metrics[bench_chance_key(task)] = level

@@ -98,7 +98,8 @@ def display_table(
         ]
     paper_bench = [b for b in bench or [] if b.paper]
     if paper_bench:
-        if "paper_ceval" in table.columns and table["paper_ceval"].notna().any():
+        hub_ceval = any(b.task.startswith("ceval") for b in bench or [])  # then its own column
+        if not hub_ceval and "paper_ceval" in table.columns and table["paper_ceval"].notna().any():
             out["C-eval"] = "hub only"  # no offline source of C-eval is known
         out["Bench bpb"] = [fmt(v, s, 3) for v, s in zip(table["bench_bpb"], table["bench_bpb_std"])]
         bpb_delta = zip(table["delta_bench_bpb"], table["delta_bench_bpb_low"], table["delta_bench_bpb_high"])
