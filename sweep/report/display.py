@@ -17,8 +17,9 @@ PAPER_BENCH = {"hellaswag": "Hellaswag", "mmlu": "MMLU", "gsm8k": "GSM8k"}
 BENCH_NOTE = (
     "Benchmarks: lm-evaluation-harness on each run's final weights (`make eval`), offline tasks of "
     "`sweep/eval/suite.py` (Hellaswag, MMLU, GSM8k, ARC-Easy, PIQA, SciQ, LAMBADA: OLMo's evaluation "
-    "data, cloze form), 0-shot unless the grid says otherwise (GSM8k: 8 worked examples); mean ± "
-    "std over the seeds scored; chance is uniform guessing. "
+    "data, cloze form), 0-shot unless the grid says otherwise (GSM8k: the gold answer after an "
+    "8-shot context, cut to the model's window); mean ± std over the seeds scored; chance is "
+    "uniform guessing. "
 )
 
 
