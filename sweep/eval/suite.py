@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -129,16 +130,18 @@ def bigbench_docs(archive: Path, task: str, subtask: str | None = None) -> list[
     return docs
 
 
-def _json_task(name: str, data: Path, metric: str, **spec: Any) -> dict[str, Any]:
+def _json_task(name: str, data: Path, metrics: dict[str, bool], **spec: Any) -> dict[str, Any]:
     """An lm-eval task over the JSONL file ``data`` (its ``test`` split), scored by the mean of
-    ``metric``; ``spec`` holds the output type and prompt keys."""
+    each of ``metrics`` (name -> higher is better); ``spec`` holds the output type and prompt keys."""
     return {
         "task": name,
         "dataset_path": "json",
         "dataset_kwargs": {"data_files": {"test": str(data)}},
         "test_split": "test",
         **spec,
-        "metric_list": [{"metric": metric, "aggregation": "mean", "higher_is_better": True}],
+        "metric_list": [
+            {"metric": m, "aggregation": "mean", "higher_is_better": higher} for m, higher in metrics.items()
+        ],
         "metadata": {"version": SUITE_VERSION},
     }
 
@@ -147,7 +150,7 @@ def _mc_task(name: str, data: Path) -> dict[str, Any]:
     return _json_task(
         name,
         data,
-        "acc",
+        {"acc": True},
         fewshot_split="test",
         output_type="multiple_choice",
         doc_to_text=_MC_TEXT,
@@ -159,33 +162,28 @@ def _mc_task(name: str, data: Path) -> dict[str, Any]:
 def _wheel_task(name: str, data: Path) -> dict[str, Any]:
     """A wheel task over ``data`` (``{context, choices, gold}`` lines): every choice's
     log-likelihood after the context (multiple choice), or the one gold continuation's."""
-    choice = WHEEL_TASKS[name].kind == "choice"
-    metrics = ["acc", "acc_norm", "bpb"] if choice else ["acc", "bpb"]
-    task = {
-        "task": name,
-        "dataset_path": "json",
-        "dataset_kwargs": {"data_files": {"test": str(data)}},
-        "test_split": "test",
-        "output_type": "multiple_choice" if choice else "loglikelihood",
-        "doc_to_text": "context",
-        "doc_to_target": "gold" if choice else "{{choices[0]}}",
-        "target_delimiter": "",  # each continuation carries its own leading space, as OLMo's do
-        "process_results": f"!function wheel_scores.process_{'choice' if choice else 'continuation'}",
-        "metric_list": [
-            {"metric": m, "aggregation": "mean", "higher_is_better": m != "bpb"} for m in metrics
-        ],
-        "metadata": {"version": SUITE_VERSION},
-    }
-    if choice:
-        task["doc_to_choice"] = "choices"
-    return task
+    if WHEEL_TASKS[name].kind == "choice":
+        kind = {"output_type": "multiple_choice", "doc_to_choice": "choices", "doc_to_target": "gold"}
+        metrics, hook = {"acc": True, "acc_norm": True, "bpb": False}, "process_choice"
+    else:
+        kind = {"output_type": "loglikelihood", "doc_to_target": "{{choices[0]}}"}
+        metrics, hook = {"acc": True, "bpb": False}, "process_continuation"
+    return _json_task(
+        name,
+        data,
+        metrics,
+        **kind,
+        doc_to_text="context",
+        target_delimiter="",  # each continuation carries its own leading space, as OLMo's do
+        process_results=f"!function wheel_scores.{hook}",
+    )
 
 
 def _humaneval_task(data: Path) -> dict[str, Any]:
     return _json_task(
         HUMANEVAL,
         data,
-        "pass@1",
+        {"pass@1": True},
         output_type="generate_until",
         doc_to_text="{{prompt}}",
         doc_to_target="{{test}}",
@@ -212,7 +210,8 @@ def chance(folder: Path, task: str, limit: int | None = None) -> float | None:
         return None  # one continuation: its acc (greedy decoding gives it) has no guessing level
     if data is None or not data.exists():
         return None
-    docs = [json.loads(line) for line in data.read_text().splitlines() if line.strip()][:limit]
+    with data.open() as lines:  # only the documents scored, not the whole file on every run
+        docs = [json.loads(line) for line in itertools.islice(filter(str.strip, lines), limit)]
     if not docs or "choices" not in docs[0]:
         return None
     return sum(1 / len(d["choices"]) for d in docs) / len(docs)

@@ -98,9 +98,10 @@ def display_table(
             unscored if c == "—" and has_run else c for c, has_run in zip(cells, table["n_seeds"] > 0)
         ]
     paper_bench = [b for b in bench or [] if b.paper]
+    paper_ceval = "paper_ceval" in table.columns and table["paper_ceval"].notna().any()
     if paper_bench:
         hub_ceval = any(b.task.startswith("ceval") for b in bench or [])  # then its own column
-        if not hub_ceval and "paper_ceval" in table.columns and table["paper_ceval"].notna().any():
+        if not hub_ceval and paper_ceval:
             out["C-eval"] = "hub only"  # no offline source of C-eval is known
         out["Bench bpb"] = [fmt(v, s, 3) for v, s in zip(table["bench_bpb"], table["bench_bpb_std"])]
         bpb_delta = zip(table["delta_bench_bpb"], table["delta_bench_bpb_low"], table["delta_bench_bpb_high"])
@@ -120,7 +121,7 @@ def display_table(
         if table[f"paper_{b.paper}"].notna().any():
             # the paper prints percent; ours are fractions
             out[f"Paper {PAPER_BENCH[b.paper]}"] = [fmt(v / 100) for v in table[f"paper_{b.paper}"]]
-    if paper_bench and "paper_ceval" in table.columns and table["paper_ceval"].notna().any():
+    if paper_bench and paper_ceval:
         out["Paper C-eval"] = [fmt(v / 100) for v in table["paper_ceval"]]
     for column in columns:
         spec = PROBE_COLUMNS[column]

@@ -105,6 +105,17 @@ def paired_delta(row: pd.Series, base: pd.Series) -> tuple[float, float, float, 
     return mean, mean - half, mean + half, n
 
 
+def _delta_to_reference(
+    mine: pd.DataFrame | None, base: pd.DataFrame | None, metric: str, is_reference: bool
+) -> tuple[float, float, float]:
+    """``metric``'s mean difference to the reference's runs, paired by seed, and its 95% interval
+    (:func:`paired_delta`); NaN for the reference itself, without runs or without the metric."""
+    if is_reference or mine is None or base is None or metric not in mine:
+        return math.nan, math.nan, math.nan
+    d, lo, hi, _ = paired_delta(mine[metric], base[metric])
+    return d, lo, hi
+
+
 def paper_value(paper: pd.DataFrame | None, row: Row, column: str) -> float:
     """The paper's ``column`` for ``row`` (by its ``paper_row``), NaN where it has none."""
     if paper is None or row.paper_row not in paper.index or column not in paper.columns:
@@ -191,10 +202,9 @@ def build_table(grid: Grid, scale: str, runs: pd.DataFrame) -> pd.DataFrame:
         else:
             d = lo = hi = math.nan
         line["delta_avg_ppl"], line["delta_ci95_low"], line["delta_ci95_high"] = d, lo, hi
-        f_lo = f_hi = f_d = math.nan  # the sink's change against the reference, paired by seed
-        if row.id != reference.id and mine is not None and base_runs is not None and N.F_ATTN in mine:
-            f_d, f_lo, f_hi, _ = paired_delta(mine[N.F_ATTN], base_runs[N.F_ATTN])
-        line["delta_f_attn"], line["delta_f_attn_low"], line["delta_f_attn_high"] = f_d, f_lo, f_hi
+        # the sink's change against the reference, paired by seed
+        f_attn = _delta_to_reference(mine, base_runs, N.F_ATTN, row.id == reference.id)
+        line["delta_f_attn"], line["delta_f_attn_low"], line["delta_f_attn_high"] = f_attn
         for column, spec in PROBE_COLUMNS.items():
             line[column], line[f"{column}_std"] = _stat(mine, spec.metric)
             if spec.floor is not None:
@@ -207,10 +217,8 @@ def build_table(grid: Grid, scale: str, runs: pd.DataFrame) -> pd.DataFrame:
             if b.paper:
                 line[f"paper_{b.paper}"] = paper_value(paper, row, b.paper)
         line["bench_bpb"], line["bench_bpb_std"] = _stat(mine, BENCH_BPB_MEAN)
-        b_d = b_lo = b_hi = math.nan  # paired by seed, as Δ Avg PPL
-        if row.id != reference.id and mine is not None and base_runs is not None:
-            b_d, b_lo, b_hi, _ = paired_delta(mine[BENCH_BPB_MEAN], base_runs[BENCH_BPB_MEAN])
-        line["delta_bench_bpb"], line["delta_bench_bpb_low"], line["delta_bench_bpb_high"] = b_d, b_lo, b_hi
+        bpb = _delta_to_reference(mine, base_runs, BENCH_BPB_MEAN, row.id == reference.id)
+        line["delta_bench_bpb"], line["delta_bench_bpb_low"], line["delta_bench_bpb_high"] = bpb
         line["paper_ceval"] = paper_value(paper, row, "ceval")
         line["paper_added_params_m"] = paper_value(paper, row, "added_params_m")
         line["paper_avg_ppl"] = paper_value(paper, row, "avg_ppl")
