@@ -58,7 +58,7 @@ export GATED_ATTN_CPU_ARITH := native
 endif
 ARGS := --grid '$(GRID)' --scale '$(SCALE)' $(if $(SEEDS),--seeds '$(SEEDS)') $(if $(ROWS),--rows '$(ROWS)') $(if $(FORCE),--force)
 
-.PHONY: setup sweep data tokenizer-neox example-data corpus-bench results eval tables init-table params tune stability dashboard throughput bench bench-moe gpu-check compare ui ui-check servers-setup servers-check test golden lint clean
+.PHONY: test-all setup sweep data tokenizer-neox example-data corpus-bench results eval tables init-table params tune stability dashboard throughput bench bench-moe gpu-check compare ui ui-check servers-setup servers-check test golden lint clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -98,9 +98,9 @@ tokenizer-neox: $(STAMP)
 	$(PY) -m experiments.corpus.pretrained gpt-neox-20b
 
 # a streaming build of a 1 GB JSON-lines file: MB/s, peak memory, and kill -9 then rerun gives the
-# same bytes (sweep/corpus_bench.py; MB=1024 by default; run it alone)
+# same bytes (tools/corpus_bench.py; MB=1024 by default; run it alone)
 corpus-bench: $(STAMP)
-	$(PY) -m sweep.corpus_bench $(if $(MB),--mb $(MB))
+	$(PY) -m tools.corpus_bench $(if $(MB),--mb $(MB))
 
 # grids/own_data.yaml's files: a JSON-lines and a Parquet file written from two package sources
 example-data: $(STAMP)
@@ -130,27 +130,27 @@ dashboard: $(STAMP)
 	$(PY) -m sweep.browse dashboard --port $(DASHBOARD_PORT)  # the storage URL comes from GATED_ATTN_STORAGE
 
 # training speed in one process: tokens/s of each row (and a MoE row's dense twin), the harness
-# against a bare loop, one step's breakdown (sweep/throughput/)
+# against a bare loop, one step's breakdown (tools/throughput/)
 throughput: $(STAMP)
-	$(PY) -m sweep.throughput --grid '$(GRID)' --scale '$(SCALE)' $(if $(ROWS),--rows '$(ROWS)')
+	$(PY) -m tools.throughput --grid '$(GRID)' --scale '$(SCALE)' $(if $(ROWS),--rows '$(ROWS)')
 
 # the names of one release ago
 bench bench-moe: throughput
 
-# on a lent GPU: the CUDA path of every part, tokens/s and MFU at `small` (sweep/gpu_check.py).
+# on a lent GPU: the CUDA path of every part, tokens/s and MFU at `small` (tools/gpu_check.py).
 # A machine without network: `make gpu-check GPU_PY=python3` with the packages already there.
 gpu-check: $(if $(GPU_PY),,$(STAMP))
-	$(or $(GPU_PY),$(PY)) -m sweep.gpu_check
+	$(or $(GPU_PY),$(PY)) -m tools.gpu_check
 
 # the UI as a user sees it: headless Chromium (installed from Debian if missing) on the URL
 # `make ui` prints must show every cell run and Avg PPL; screenshot results/figures/ui_runs.png.
 # Slow (a browser, a server): not part of `make test`.
 ui-check: $(STAMP)
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
-	$(PY) -m sweep.ui_check --grid '$(GRID)' --scale '$(SCALE)'
+	$(PY) -m tools.ui_check --grid '$(GRID)' --scale '$(SCALE)'
 
 # PostgreSQL's server (Debian's package, installed if missing) and psycopg (the postgres extra):
-# what the servers check needs. CI runs it before `make test`, whose tests/test_servers.py then runs.
+# what the servers check needs. CI runs it before `make test-all`, whose tests/test_servers.py then runs.
 servers-setup: $(STAMP)
 	ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 || command -v pg_ctl >/dev/null || \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null)
@@ -158,9 +158,9 @@ servers-setup: $(STAMP)
 
 # the multi-machine recipe (docs/resuming.md) against a throwaway PostgreSQL and MLflow server on
 # localhost: two machines, a worker killed mid-cell, each cell one run with one process's losses
-# (sweep/servers_check.py; about 1.5 min on 2 cores)
+# (tools/servers_check.py; about 1.5 min on 2 cores)
 servers-check: servers-setup
-	$(PY) -m sweep.servers_check
+	$(PY) -m tools.servers_check
 
 # two runs or two rows of GRID side by side: RUNS=baseline,sdpa_elementwise (row ids) or run ids
 compare: $(STAMP)
@@ -171,8 +171,15 @@ compare: $(STAMP)
 ui: $(STAMP)
 	$(PY) -m sweep.browse ui --grid '$(GRID)' --scale '$(SCALE)' --port $(PORT)
 
+# the fast tier (model, gates, probes, grid, config, tables, the micro sweep end to end): a few minutes
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not slow" -q
+
+# every test (processes, signals, faults, DDP, the queue, clusters, servers too), each stopped
+# after TEST_TIMEOUT seconds, the slowest 25 listed at the end; CI runs it after `make test`
+TEST_TIMEOUT ?= 900
+test-all: $(STAMP)
+	$(PY) -m pytest -q --timeout=$(TEST_TIMEOUT) --durations=25
 
 # a change meant to move the numbers: bump NUMBERS_VERSION in experiments/numerics.py, then this
 # rewrites tests/golden/micro.json from the micro sweep, for this machine's pinned arithmetic and

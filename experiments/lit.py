@@ -95,7 +95,7 @@ class LMModule(pl.LightningModule):
     ``probe_every``-th validation and log beside its ``val/*`` metrics (same step), except at the
     last step, which the sweep probes once after training.
 
-    Under data parallelism (``experiments.distributed``) the training figures are the global
+    Under data parallelism (DDP ranks under torchrun, ``sweep.run.ranks``) the training figures are the global
     batch's (losses averaged over the ranks, so every rank takes the same divergence decision;
     tokens/s of all ranks; with ``train.grad_accum`` micro-batches a step, the means over them,
     logged once a step), every rank validates and probes the same held-out windows (no

@@ -61,7 +61,8 @@ def _browse(args: argparse.Namespace, results: Path) -> int:
     from sweep.grid import load_grid
     from sweep.gridfile import GridError
     from sweep.report.compare import CompareError
-    from sweep.store import Tracker, TrackingError, experiment_name, tracking_uri
+    from sweep.store import Tracker, experiment_name
+    from sweep.store_urls import TrackingError, tracking_uri
 
     try:
         grid = load_grid(args.grid)

@@ -11,10 +11,8 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import signal
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -36,7 +34,7 @@ def _workers(value: str) -> int:
 
 
 def _writable(results: Path) -> None:
-    from sweep.store import check_url_safe
+    from sweep.store_urls import check_url_safe
 
     try:
         check_url_safe(results)
@@ -66,35 +64,20 @@ def _command_line() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; see the module docstring for the exit status."""
-    main_thread = threading.current_thread() is threading.main_thread()
-    handled = (signal.SIGINT, signal.SIGTERM)
-    previous = {sig: signal.signal(sig, _interrupt_once) for sig in handled} if main_thread else {}
+    from sweep.signals import Unwound, unwinding
+
     try:
-        return _main(argv)
+        with unwinding():
+            return _main(argv)
     except KeyboardInterrupt as err:  # outside training (which StopRequest handles): loading, scoring, tables
         command = next(iter(argv if argv is not None else sys.argv[1:]), "sweep")
+        code = err.exit_code if isinstance(err, Unwound) else 130
         print(
-            f"{command} {'stopped by SIGTERM' if isinstance(err, _Terminated) else 'interrupted'}: no "
+            f"{command} {'stopped by SIGTERM' if code == 143 else 'interrupted'}: no "
             "table or figure was half-written; run the same command again to finish",
             file=sys.stderr,
         )
-        return 143 if isinstance(err, _Terminated) else 130
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM outside training: unwinds as a Ctrl-C does (nothing half-written), exit 143."""
-
-
-def _interrupt_once(signum: int, frame: object) -> None:
-    """Ctrl-C or SIGTERM outside training: a KeyboardInterrupt, and any further signal ignored
-    (``timeout`` and some shells signal the process and its group both) so the one line is all
-    that is said."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise _Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+        return code
 
 
 def _main(argv: list[str] | None) -> int:
@@ -105,7 +88,7 @@ def _main(argv: list[str] | None) -> int:
     from sweep.grid import MAX_SEEDS, load_grid
     from sweep.gridfile import GridError
     from sweep.run.slurm import LauncherError, launcher_for
-    from sweep.store import TrackingError
+    from sweep.store_urls import TrackingError
 
     args = parser(__doc__.splitlines()[0]).parse_args(argv)
     if args.seeds is not None and not 1 <= args.seeds <= MAX_SEEDS:
@@ -138,12 +121,10 @@ def _main(argv: list[str] | None) -> int:
             print(markdown_table(params_table(grid, args.scale, rows)))
             return 0
         if args.command in ("sweep", "worker", "tune", "stability"):
-            from sweep.run.nodes import NodeGroup
-            from sweep.run.placement import check_runnable
+            from sweep.run.placement import check_runnable, job_nodes
 
-            group = NodeGroup.from_env() if args.command == "worker" else None
             cluster = args.command == "sweep" and args.launcher != "local"  # it sizes the jobs
-            check_runnable(grid, cells, None if cluster else group.num_nodes if group else 1)
+            check_runnable(grid, cells, None if cluster else job_nodes() if args.command == "worker" else 1)
         _writable(results)
         from sweep.report.write import refuse_a_lost_store, table_paths, write_tables
 
@@ -169,8 +150,8 @@ def _main(argv: list[str] | None) -> int:
             paths = write_tables(grid, args.scale, results, _command_line())  # every seed found
             print(f"table: {paths['md']} (also .csv, .tex)")
             return 1 if failed else 0
-        from sweep.run.interrupt import StopRequest
         from sweep.run.runner import run_sweep, summary_line
+        from sweep.signals import StopRequest
 
         started = time.perf_counter()
         if args.command == "worker":
@@ -247,7 +228,8 @@ def _evaluate(grid, scale: str, cells, results: Path, cache: Path | None, asked:
         print(f"benchmarks: not scored at {scale} (the grid scores at {where}); make eval scores them")
         return 0
     from sweep.eval.scores import evaluate_missing, runnable_tasks
-    from sweep.store import Tracker, experiment_name, tracking_uri
+    from sweep.store import Tracker, experiment_name
+    from sweep.store_urls import tracking_uri
 
     tracker = Tracker(tracking_uri(results), experiment_name(grid.name, scale), results / "mlartifacts")
     spec = grid.eval.for_scale(scale, sweep=not asked)
@@ -267,7 +249,8 @@ def _long_context(grid, scale: str, cells, results: Path, cache: Path | None) ->
     if grid.longctx is None:
         return 0
     from sweep.eval.longctx_run import score_missing_long_context
-    from sweep.store import Tracker, experiment_name, tracking_uri
+    from sweep.store import Tracker, experiment_name
+    from sweep.store_urls import tracking_uri
 
     tracker = Tracker(tracking_uri(results), experiment_name(grid.name, scale), results / "mlartifacts")
     done, failed = score_missing_long_context(tracker, grid, cells, cache)
@@ -285,8 +268,8 @@ def _worker_args(args: argparse.Namespace, url: str) -> list[str]:
 
 
 def _worker(args: argparse.Namespace, grid, cells, results: Path, cache: Path | None) -> int:
-    from sweep.run.interrupt import StopRequest
     from sweep.run.queue import run_worker
+    from sweep.signals import StopRequest
     from sweep.studies import storage_url
 
     with StopRequest() as stop:

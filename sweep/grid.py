@@ -29,7 +29,7 @@ from experiments.names import ProbeColumn
 from experiments.numerics import NUMBERS_VERSION
 from experiments.strict import ConfigError, from_dict, identity_dict, to_dict
 from sweep.evalspec import EvalConfig, LongContextSpec
-from sweep.gridcheck import check_references, check_stage, paper_csv, paper_rows  # noqa: F401 (re-exported)
+from sweep.gridcheck import check_references, check_stage
 from sweep.gridfile import NAME, GridError, deep_merge, inherit, read_yaml
 
 _ROW_ID = re.compile(r"^[a-z0-9_]+$")

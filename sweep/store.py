@@ -23,14 +23,11 @@ from experiments.config import to_dict
 from experiments.names import Kind, Status
 from sweep.grid import Cell
 from sweep.sqlite_lock import creation_lock, sqlite_file
-from sweep.store_urls import (  # noqa: F401  (re-exported: the store's errors and addresses)
+from sweep.store_urls import (
     TrackingError,
     check_reachable,
-    check_url_safe,
     first_line,
     quoted,
-    sqlite_url,
-    tracking_uri,
 )
 from sweep.ui_view import experiment_tags
 

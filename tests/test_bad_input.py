@@ -4,20 +4,14 @@ tests/test_grid.py.)"""
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 
 from experiments import corpus as C
 from sweep.cli import main
-from tests.conftest import MICRO, ROOT
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from sweep.run.ranks import free_port
+from tests.support import MICRO, ROOT
 
 
 def run_cli(tmp_path: Path, grid_text: str, capsys: pytest.CaptureFixture) -> tuple[int, str, Path]:

@@ -11,56 +11,28 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-import torch.nn.functional as F
-from lm_eval.api.instance import Instance
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from experiments.config import ModelConfig
 from experiments.lm_wrapper import GatedAttnLM, cut_at_stop
-from experiments.model import GatedLM
 from sweep.eval.humaneval_exec import passes
 from sweep.eval.scores import parse_results
 from sweep.eval.suite import bigbench_docs, humaneval_problems, mmlu_dev_questions
 from sweep.grid import GridError, load_grid
-
-TEXT = "the cat sat on the mat. a dog ran in the park. the sun is hot and the sky is blue. " * 20
-WINDOW = 24
-
-
-def tiny_lm(text: str, vocab_size: int, **kwargs: int) -> GatedAttnLM:
-    """A 2-layer model (seed 0, untrained) and a byte-level BPE trained on ``text``."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator([text], trainer)
-    torch.manual_seed(0)
-    cfg = ModelConfig(
-        vocab_size=tok.get_vocab_size(), d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-        ffn_dim=64, max_seq_len=WINDOW,
-    )  # fmt: skip
-    return GatedAttnLM(GatedLM(cfg), tok, batch_size=3, **kwargs)
+from tests.support import (
+    GOOD,
+    MICRO,
+    TEXT,
+    WINDOW,
+    direct_logprob,
+    request,
+    tiny_lm,
+    use_repo_cache,
+    write_grid,
+)
 
 
 @pytest.fixture(scope="module")
 def lm() -> GatedAttnLM:
     return tiny_lm(TEXT, 300, max_gen_toks=12)
-
-
-def direct_logprob(lm: GatedAttnLM, tokens: list[int], n_scored: int) -> float:
-    """log p of the last ``n_scored`` tokens of ``tokens`` given the ones before, one forward."""
-    with torch.no_grad():
-        logp = F.log_softmax(lm.model(torch.tensor([tokens[:-1]])).float(), -1)[0]
-    positions = range(len(tokens) - 1 - n_scored, len(tokens) - 1)
-    return sum(logp[i, tokens[i + 1]].item() for i in positions)
-
-
-def request(kind: str, *args: object) -> Instance:
-    return Instance(request_type=kind, doc={}, arguments=args, idx=0)
 
 
 def test_loglikelihood_is_the_sum_of_token_logprobs(lm: GatedAttnLM) -> None:
@@ -217,18 +189,18 @@ def test_a_micro_task_runs_end_to_end_through_simple_evaluate(lm: GatedAttnLM, t
 
 
 def test_grid_eval_section_is_validated(tmp_path: Path) -> None:
-    from tests.test_grid import GOOD, write
 
     grid = load_grid(
-        write(tmp_path, GOOD + "eval: {tasks: [offline_mmlu_dev], num_fewshot: {offline_mmlu_dev: 5}}\n")
+        write_grid(tmp_path, GOOD + "eval: {tasks: [offline_mmlu_dev], num_fewshot: {offline_mmlu_dev: 5}}\n")
     )
     assert grid.eval.tasks == ("offline_mmlu_dev",) and grid.eval.fewshot("offline_mmlu_dev") == 5
     with pytest.raises(GridError, match=r"eval.shots: unknown key"):
-        load_grid(write(tmp_path, GOOD + "eval: {tasks: [a], shots: 3}\n"))
+        load_grid(write_grid(tmp_path, GOOD + "eval: {tasks: [a], shots: 3}\n"))
     with pytest.raises(GridError, match=r"eval.num_fewshot.b: must map a listed task"):
-        load_grid(write(tmp_path, GOOD + "eval: {tasks: [a], num_fewshot: {b: 1}}\n"))
+        load_grid(write_grid(tmp_path, GOOD + "eval: {tasks: [a], num_fewshot: {b: 1}}\n"))
 
 
+@pytest.mark.slow
 def test_make_eval_scores_finished_runs_without_retraining(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
@@ -236,7 +208,6 @@ def test_make_eval_scores_finished_runs_without_retraining(
     from mlflow.entities import ViewType
 
     from sweep.cli import main
-    from tests.conftest import MICRO, use_repo_cache
 
     use_repo_cache(monkeypatch)
     plain, scored = tmp_path / "plain.yaml", tmp_path / "scored.yaml"
@@ -334,10 +305,9 @@ def test_the_table_shows_acc_or_the_only_score_headed_with_the_logged_chance(tmp
     from experiments.names import bench_score_key
     from sweep.evalspec import ScaleEval
     from sweep.report.tables import bench_columns
-    from tests.test_grid import GOOD, write
 
     tasks = "offline_mmlu_dev, offline_humaneval, hellaswag, offline_gsm8k, offline_sciq"
-    grid = load_grid(write(tmp_path, GOOD + f"eval: {{tasks: [{tasks}]}}\n"))
+    grid = load_grid(write_grid(tmp_path, GOOD + f"eval: {{tasks: [{tasks}]}}\n"))
     runs = pd.DataFrame(
         [
             {

@@ -25,8 +25,9 @@ from experiments.checkpointing import (
 )
 from experiments.checksums import file_sha256
 from sweep.cli import main
-from tests.conftest import ROOT
-from tests.test_stages import STAGED, runs_of, write
+from tests.support import ROOT, STAGED, runs_of, write_grid
+
+pytestmark = pytest.mark.slow  # make test-all: processes, signals, faults
 
 
 def saved(tmp_path: Path) -> Path:
@@ -95,7 +96,7 @@ def test_a_checkpoint_from_before_the_record_is_checked_as_an_archive(tmp_path: 
 
 
 def test_a_stage_does_not_start_from_a_damaged_parent(tmp_path: Path, repo_cache: None, capsys) -> None:
-    grid, results = write(tmp_path, STAGED), tmp_path / "r"
+    grid, results = write_grid(tmp_path, STAGED, "micro.yaml"), tmp_path / "r"
     sweep = ["sweep", "--grid", str(grid), "--results", str(results), "--rows"]
     assert main([*sweep, "baseline"]) == 0
     (parent,) = runs_of(results, "baseline")
@@ -116,7 +117,7 @@ def test_a_stage_does_not_start_from_a_damaged_parent(tmp_path: Path, repo_cache
 
 DRIVER = """
 import sys, time
-from sweep.run.interrupt import StopRequest
+from sweep.signals import StopRequest
 from sweep.run.queue import start_processes
 start_processes(sys.argv[1:], 2, StopRequest(), print, {})
 """

@@ -16,7 +16,7 @@ from mlflow import MlflowClient
 from experiments import names as N
 from sweep.browse import main
 from sweep.grid import load_grid
-from tests.conftest import ROOT
+from tests.support import ROOT
 
 
 def _compare(micro: dict, runs: str, capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
@@ -31,7 +31,6 @@ def _table(out: str, heading: str) -> list[list[str]]:
     return [[c.strip() for c in row.strip().strip("|").split("|")] for row in block.splitlines()[2:]]
 
 
-@pytest.mark.slow
 def test_two_rows_show_just_the_gate_keys_and_the_metric_differences(
     micro: dict, capsys: pytest.CaptureFixture
 ) -> None:
@@ -52,7 +51,6 @@ def test_two_rows_show_just_the_gate_keys_and_the_metric_differences(
     assert figure.stat().st_size > 10_000 and f"figure: {figure}" in out
 
 
-@pytest.mark.slow
 def test_two_run_ids_compare_the_same_way(micro: dict, capsys: pytest.CaptureFixture) -> None:
     client = MlflowClient(tracking_uri=f"sqlite:///{micro['results'] / 'mlflow.db'}")
     runs = client.search_runs(

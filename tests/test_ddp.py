@@ -21,18 +21,33 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import LONG_MICRO, LONG_STEPS, MICRO, ROOT, start_slow_cli, wait_for_checkpoint
 from mlflow import MlflowClient
 
 from experiments import names as N
 from experiments.checkpointing import step_checkpoint_name
 from experiments.config import DataConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig
-from experiments.distributed import spawn_ranks
 from experiments.moe import router_stats
 from experiments.train import Training
 from sweep.cli import main
+from sweep.run.ranks import launch
+from tests.support import (
+    LONG_MICRO,
+    LONG_STEPS,
+    MICRO,
+    ROOT,
+    assert_close,
+    histories,
+    process_state,
+    ranks_of,
+    start_slow_cli,
+    wait_for_checkpoint,
+    weights,
+)
 
-pytestmark = pytest.mark.filterwarnings("ignore:You called .self.log:UserWarning")  # no logger
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore:You called .self.log:UserWarning"),  # no logger
+]
 GLOO = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo backend")
 
 MODEL = ModelConfig(
@@ -72,27 +87,14 @@ def train(cfg: RunConfig, checkpoints: Path, final: Path, resume: Path | None = 
     return {"losses": recorder.losses, "val_loss": figures[N.VAL_LOSS], "world": run.trainer.world_size}
 
 
-def weights(path: Path) -> dict[str, torch.Tensor]:
-    return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
-
-
-def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    """Equal to float tolerance: 1e-4 of each tensor's largest entry (an AdamW step turns float
-    noise in a near-zero gradient into a change of about 1e-6 in a weight of about 0.08)."""
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-4 * float(b[k].abs().max())), k
-
-
 @GLOO
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_two_gloo_ranks_train_as_one_process(kind: str, tmp_path: Path) -> None:
     one_cfg = RunConfig(model=KINDS[kind], train=TRAIN, data=DATA)
     two_cfg = dataclasses.replace(one_cfg, train=dataclasses.replace(TRAIN, devices=2, strategy="ddp"))
 
     one = train(one_cfg, tmp_path / "one", tmp_path / "one.ckpt")
-    two = spawn_ranks(train, 2, two_cfg, tmp_path / "two", tmp_path / "two.ckpt")
+    two = launch(train, 2, two_cfg, tmp_path / "two", tmp_path / "two.ckpt")
     assert (one["world"], two["world"]) == (1, 2)
     assert len(one["losses"]) == len(two["losses"]) == TRAIN.max_steps
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-4)
@@ -112,15 +114,12 @@ def test_two_gloo_ranks_train_as_one_process(kind: str, tmp_path: Path) -> None:
         assert_close(a, b)
 
     # Both ranks restore it and finish on the uninterrupted run's weights.
-    resumed = spawn_ranks(
-        train, 2, two_cfg, tmp_path / "two", tmp_path / "resumed.ckpt", tmp_path / "two" / mid
-    )
+    resumed = launch(train, 2, two_cfg, tmp_path / "two", tmp_path / "resumed.ckpt", tmp_path / "two" / mid)
     assert resumed["losses"] == pytest.approx(two["losses"][3:], rel=1e-5)
     assert_close(weights(tmp_path / "resumed.ckpt"), weights(tmp_path / "two.ckpt"))
 
 
 @GLOO
-@pytest.mark.slow
 def test_micro_batches_accumulate_to_the_global_batch(tmp_path: Path) -> None:
     """Two ranks of two micro-batches of one sequence each (``grad_accum: 2``) step on the global
     batch of four: one process's losses and weights, also after a resume from the mid-run state."""
@@ -130,11 +129,11 @@ def test_micro_batches_accumulate_to_the_global_batch(tmp_path: Path) -> None:
     cfg = dataclasses.replace(one_cfg, train=accum)
 
     one = train(one_cfg, tmp_path / "one", tmp_path / "one.ckpt")
-    two = spawn_ranks(train, 2, cfg, tmp_path / "two", tmp_path / "two.ckpt")
+    two = launch(train, 2, cfg, tmp_path / "two", tmp_path / "two.ckpt")
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-4) and len(two["losses"]) == TRAIN.max_steps
     assert_close(weights(tmp_path / "two.ckpt"), weights(tmp_path / "one.ckpt"))
     mid = tmp_path / "two" / "step000003.ckpt"
-    resumed = spawn_ranks(train, 2, cfg, tmp_path / "two", tmp_path / "resumed.ckpt", mid)
+    resumed = launch(train, 2, cfg, tmp_path / "two", tmp_path / "resumed.ckpt", mid)
     assert resumed["losses"] == pytest.approx(two["losses"][3:], rel=1e-5)
     assert_close(weights(tmp_path / "resumed.ckpt"), weights(tmp_path / "two.ckpt"))
 
@@ -174,7 +173,6 @@ class LateSignal:
         pass
 
 
-@pytest.mark.slow
 def test_a_moe_steps_micro_batches_balance_over_its_global_batch_and_validate_between_steps() -> None:
     """``grad_accum: 2``: a step's second micro-batch balances over both (its whole global
     batch), and the next step's first starts afresh (``experiments.moe.carry_balance``);
@@ -189,7 +187,6 @@ def test_a_moe_steps_micro_batches_balance_over_its_global_batch_and_validate_be
 
 
 @GLOO
-@pytest.mark.slow
 def test_fewer_held_out_windows_than_ranks_validate_as_in_one_process(tmp_path: Path) -> None:
     """One window for two ranks (the ``paper`` scales' long-context rows have 63 for 128): no rank
     is left without a validation batch, which Lightning refuses under DDP."""
@@ -197,14 +194,15 @@ def test_fewer_held_out_windows_than_ranks_validate_as_in_one_process(tmp_path: 
     one_cfg = RunConfig(model=MODEL, train=few, data=DATA)
     two_cfg = dataclasses.replace(one_cfg, train=dataclasses.replace(few, devices=2, strategy="ddp"))
     one = train(one_cfg, tmp_path / "one", tmp_path / "one.ckpt")
-    two = spawn_ranks(train, 2, two_cfg, tmp_path / "two", tmp_path / "two.ckpt")
+    two = launch(train, 2, two_cfg, tmp_path / "two", tmp_path / "two.ckpt")
     assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-4)
 
 
 def test_a_signal_during_a_steps_first_micro_batch_stops_at_the_next_step(tmp_path: Path) -> None:
     """Saved between micro-batches, the step's accumulated gradient would be lost and the resumed
     run's micro-batches shifted by one; the stop waits for the step's end."""
-    from sweep.run.interrupt import Interrupted, StopOnRequest
+    from sweep.run.cell import StopOnRequest
+    from sweep.signals import Interrupted
 
     train_cfg = dataclasses.replace(TRAIN, grad_accum=2, checkpoint_every=0)
     cfg = RunConfig(model=MODEL, train=train_cfg, data=DATA)
@@ -231,21 +229,7 @@ def test_a_global_batch_that_does_not_split_exits_2_with_one_line(
     assert not (tmp_path / "results").exists()
 
 
-def _histories(results: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every metric of the grid's one finished cell run: key -> [(step, value)] by step."""
-    from mlflow import MlflowClient
-
-    client = MlflowClient(tracking_uri=f"sqlite:///{results / 'mlflow.db'}")
-    exp = client.get_experiment_by_name("micro-tiny")
-    (run,) = client.search_runs([exp.experiment_id], "tags.kind = 'cell' and tags.status = 'finished'")
-    return {
-        key: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
-        for key in run.data.metrics
-    }
-
-
 @GLOO
-@pytest.mark.slow
 def test_the_sweep_trains_a_moe_cell_on_two_ranks_as_in_one_process(tmp_path: Path, repo_cache: None) -> None:
     """``train: {devices: 2, strategy: ddp}``: the sweep trains the cell on two gloo ranks; its
     run holds every metric the one-process run holds, each step once, with the same values (but
@@ -268,7 +252,7 @@ def test_the_sweep_trains_a_moe_cell_on_two_ranks_as_in_one_process(tmp_path: Pa
             "moe",
         ]
         assert main(args) == 0
-        found[name] = _histories(results)
+        found[name] = histories(results)
     one, two = found["one"], found["two"]
     assert one.keys() == two.keys() and N.TRAIN_LOSS in one and N.VAL_PPL_AVG in one
     # wall-clock figures differ: tokens/s, and the system metrics' sample count (one every 10 s)
@@ -280,7 +264,6 @@ def test_the_sweep_trains_a_moe_cell_on_two_ranks_as_in_one_process(tmp_path: Pa
 
 
 @GLOO
-@pytest.mark.slow
 def test_sigterm_to_a_two_rank_cell_saves_it_killed_and_the_next_sweep_resumes_it(
     tmp_path: Path, repo_cache: None
 ) -> None:
@@ -298,7 +281,8 @@ def test_sigterm_to_a_two_rank_cell_saves_it_killed_and_the_next_sweep_resumes_i
     os.killpg(sweep.pid, signal.SIGTERM)
     out = sweep.communicate(timeout=300)[0]
     assert sweep.returncode == 143, out
-    (killed,) = [line for line in out.splitlines() if "KILLED: SIGTERM at step" in line]
+    (killed,) = [line for line in out.splitlines() if "KILLED: SIGTERM at step" in line] or [out]
+    assert "KILLED: SIGTERM at step" in killed, out
     step = int(killed.split("KILLED: SIGTERM at step ")[1].split(";")[0])
     assert 5 <= step < LONG_STEPS and step_checkpoint_name(step) in killed
 
@@ -345,50 +329,28 @@ def test_fsdp_at_the_paper_scale_shards_every_block() -> None:
         check_runnable(grid, [cell], nodes=None)  # the cluster driver: 16 nodes is fine, FSDP is not
 
 
-def _state(pid: int) -> str | None:
-    """A process's state letter (``S``, ``R``, ``Z`` for one dead but not yet reaped), or None."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-
-
-def _ranks_of(parent: int) -> list[int]:
-    """The spawned ranks (``multiprocessing.spawn``) whose parent is ``parent``."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            cmd = (stat.parent / "cmdline").read_bytes()
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue
-        if ppid == parent and b"spawn_main" in cmd:
-            found.append(int(stat.parent.name))
-    return found
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_the_ranks_die_with_the_process_that_started_them() -> None:
-    """A sweep worker killed with ``kill -9`` leaves no rank training on behind it."""
-    code = "import time\nfrom experiments.distributed import spawn_ranks\nspawn_ranks(time.sleep, 2, 600)"
+    """A sweep worker killed with ``kill -9`` leaves no rank training on behind it: its torchrun
+    gets SIGTERM from the kernel and ends its ranks."""
+    code = "import time\nfrom sweep.run.ranks import launch\nlaunch(time.sleep, 2, 600)"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env)
     try:
         deadline = time.monotonic() + 120
-        while len(ranks := _ranks_of(parent.pid)) < 2:
+        while len(ranks := ranks_of(parent.pid)) < 2:
             assert parent.poll() is None and time.monotonic() < deadline, "the ranks never started"
             time.sleep(0.05)
     finally:
         parent.kill()
         parent.wait()
     deadline = time.monotonic() + 60
-    while any(_state(pid) not in (None, "Z") for pid in ranks):  # gone, or dead and awaiting reaping
-        assert time.monotonic() < deadline, f"ranks still running: {[(p, _state(p)) for p in ranks]}"
+    while any(process_state(pid) not in (None, "Z") for pid in ranks):  # gone, or dead and awaiting reaping
+        assert time.monotonic() < deadline, f"ranks still running: {[(p, process_state(p)) for p in ranks]}"
         time.sleep(0.05)
 
 
 @GLOO
-@pytest.mark.slow
 def test_a_cell_that_diverges_on_two_ranks_is_recorded_as_diverged(tmp_path: Path, repo_cache: None) -> None:
     """Both ranks stop at the same step (they judge the global loss); the sweep records the cell
     as diverged at that step, as in one process, not as failed."""

@@ -14,7 +14,9 @@ from mlflow import MlflowClient
 from mlflow.entities import ViewType
 
 from sweep.cli import main
-from tests.conftest import LONG_MICRO, LONG_STEPS, use_repo_cache
+from tests.support import LONG_MICRO, LONG_STEPS, use_repo_cache
+
+pytestmark = pytest.mark.slow  # make test-all: processes, signals, faults
 
 SHORT_STEPS = 12  # checkpoints at steps 5 and 10
 SHORT_MICRO = LONG_MICRO.replace(f"max_steps: {LONG_STEPS}", f"max_steps: {SHORT_STEPS}")
@@ -47,7 +49,6 @@ def delete_experiment(results: Path) -> str:
     return exp_id
 
 
-@pytest.mark.slow
 def test_a_sweep_restores_an_experiment_deleted_in_the_ui_and_trains_nothing_again(
     micro: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
@@ -63,7 +64,6 @@ def test_a_sweep_restores_an_experiment_deleted_in_the_ui_and_trains_nothing_aga
     assert [r.info.lifecycle_stage for r in cell_runs(results)] == ["active"] * 3
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("command", ["tables", "eval"])
 def test_tables_and_eval_restore_an_experiment_deleted_in_the_ui(
     command: str, micro: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
@@ -78,7 +78,6 @@ def test_tables_and_eval_restore_an_experiment_deleted_in_the_ui(
     assert list(table["status"]) == ["ok"] * 3
 
 
-@pytest.mark.slow
 def test_an_experiment_that_cannot_be_restored_stops_with_one_line_and_status_2(
     micro: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
@@ -101,7 +100,6 @@ def test_an_experiment_that_cannot_be_restored_stops_with_one_line_and_status_2(
     assert "to train" not in captured.out  # stopped before planning
 
 
-@pytest.mark.slow
 def test_a_finished_run_deleted_in_the_ui_is_trained_again(
     micro: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
@@ -154,7 +152,6 @@ def crashed_copy(crashed: dict, tmp_path: Path) -> tuple[list[str], Path, Path]:
     return args, results, results / "checkpoints" / "micro-tiny" / crashed["run_id"]
 
 
-@pytest.mark.slow
 def test_a_failed_run_whose_checkpoint_folder_was_deleted_by_hand_starts_over_and_says_so(
     crashed: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
@@ -178,7 +175,6 @@ def _overwrite_the_middle(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "damage, problem",
     [
@@ -210,7 +206,6 @@ def test_a_damaged_checkpoint_is_not_resumed_from(
     assert not folder.exists()
 
 
-@pytest.mark.slow
 def test_an_unfinished_run_deleted_in_the_ui_is_not_resumed(
     crashed: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
@@ -227,7 +222,6 @@ def test_an_unfinished_run_deleted_in_the_ui_is_not_resumed(
     assert (folder / "step000005.ckpt").is_file()  # the discarded run's files are the user's
 
 
-@pytest.mark.slow
 def test_a_run_deleted_while_it_trains_fails_its_cell_with_one_line_and_the_sweep_goes_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
@@ -254,7 +248,6 @@ def test_a_run_deleted_while_it_trains_fails_its_cell_with_one_line_and_the_swee
     assert [r.data.tags["status"] for r in cell_runs(results) if r.data.tags["row"] == "moe"] == ["finished"]
 
 
-@pytest.mark.slow
 def test_a_sqlite_store_deleted_mid_sweep_stops_it_with_one_line_and_status_2(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:

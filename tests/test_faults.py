@@ -19,8 +19,10 @@ from experiments.checkpointing import AtomicCheckpointIO, CheckpointWriteError
 from sweep.cli import main
 from sweep.grid import load_grid
 from sweep.gridfile import GridError
-from sweep.store import quoted
-from tests.conftest import MICRO, ROOT, swept, use_repo_cache
+from sweep.store_urls import quoted
+from tests.support import MICRO, ROOT, swept, use_repo_cache
+
+pytestmark = pytest.mark.slow  # make test-all: processes, signals, faults
 
 GATED = "sdpa_elementwise"
 
@@ -262,7 +264,6 @@ def test_a_checkpoint_over_the_file_size_limit_says_so_and_leaves_no_partial_fil
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step000000.ckpt"]
 
 
-@pytest.mark.slow
 def test_a_sweep_whose_checkpoints_do_not_fit_fails_its_cells_with_the_reason(tmp_path: Path) -> None:
     """The example of the issue: ``ulimit -f 4096`` and a grid whose checkpoint is over 4 MB."""
     grid = tmp_path / "big.yaml"
@@ -305,9 +306,6 @@ def test_a_sweep_whose_checkpoints_do_not_fit_fails_its_cells_with_the_reason(tm
 
 
 # --- 6. two rows of one config ---------------------------------------------------------------------
-
-
-@pytest.mark.slow
 def test_two_rows_of_one_config_train_once_and_both_show_the_result(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
@@ -361,7 +359,6 @@ def killed_in_probes(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return results
 
 
-@pytest.mark.slow
 def test_a_run_killed_in_its_final_probes_has_one_point_per_metric_and_step(killed_in_probes: Path) -> None:
     (run,) = _cell_runs(killed_in_probes)
     client = _client(killed_in_probes)
@@ -376,7 +373,6 @@ def test_a_run_killed_in_its_final_probes_has_one_point_per_metric_and_step(kill
     assert steps["train/loss"] == list(range(8))
 
 
-@pytest.mark.slow
 def test_no_metric_name_is_a_folder_of_another(killed_in_probes: Path) -> None:
     """MLflow's file store keeps a metric as a file named by its key: ``a/b`` and ``a/b/c`` cannot
     both exist."""
@@ -387,7 +383,6 @@ def test_no_metric_name_is_a_folder_of_another(killed_in_probes: Path) -> None:
     assert not names & folders
 
 
-@pytest.mark.slow
 def test_a_cell_trains_on_mlflows_file_store_and_a_rerun_trains_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:

@@ -113,7 +113,6 @@ def write_golden(arithmetic: str, got: dict) -> None:
     GOLDEN.write_text(f'{{\n "numbers": {NUMBERS_VERSION},\n "arithmetics": {{\n{body}\n }}\n}}\n')
 
 
-@pytest.mark.slow
 def test_the_micro_cells_train_to_their_golden_numbers(micro: dict, request: pytest.FixtureRequest) -> None:
     reason = why_not_comparable()
     if reason:

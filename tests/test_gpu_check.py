@@ -4,10 +4,10 @@ no CUDA on the CPU, and its FLOP count is checked by hand."""
 from __future__ import annotations
 
 import pytest
-from conftest import use_repo_cache
 
 from experiments.config import DataConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig
-from sweep.gpu_check import flops_per_token, main
+from tests.support import use_repo_cache
+from tools.gpu_check import flops_per_token, main
 
 
 def test_model_flops_count_active_matmul_parameters_and_attention() -> None:
@@ -24,7 +24,6 @@ def test_model_flops_count_active_matmul_parameters_and_attention() -> None:
     assert flops_per_token(moe) == 6 * (active - 300 * 8) + attention  # unchosen experts cost nothing
 
 
-@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:You called .self.log:UserWarning")
 def test_the_dry_run_passes_every_check_on_the_cpu(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture

@@ -6,28 +6,14 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
 
 from experiments.config import RunConfig
 from sweep.cli import main
 from sweep.grid import GridError, load_grid, run_key
 from sweep.gridfile import MAX_BYTES
+from tests.support import GOOD, ROOT
 
 GRIDS = sorted((ROOT / "grids").glob("*.yaml"))
-
-GOOD = """\
-name: g
-base:
-  model: {vocab_size: 512, d_model: 32, n_layers: 2, n_heads: 4, n_kv_heads: 2, head_dim: 8,
-          ffn_dim: 64, max_seq_len: 32}
-  train: {max_steps: 6, batch_size: 4, seq_len: 32, warmup_steps: 2, val_every: 3, val_tokens: 256,
-          max_lr: 2e-3}
-  data: {vocab_size: 512}
-scales: {tiny: {}}
-rows:
-  - {id: baseline}
-  - {id: sdpa, model: {gate: {position: sdpa}}}
-"""
 
 
 def write(tmp_path: Path, text: str) -> Path:

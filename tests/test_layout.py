@@ -3,9 +3,9 @@
 ``experiments`` (the science) never imports ``sweep`` (the harness). Inside ``sweep``, the three
 jobs - ``sweep.run`` (train cells), ``sweep.report`` (tables and figures), ``sweep.eval``
 (benchmark scores) - import ``experiments`` and the shared base (``sweep.grid``, ``sweep.gridfile``,
-``sweep.store``, ``sweep.studies``), never one another, and nothing imports the entry points
-(``sweep.cli``, ``sweep.throughput``, ``sweep.gpu_check``, ``sweep.servers_check``,
-``sweep.corpus_bench``).
+``sweep.store``, ``sweep.studies``, ``sweep.signals``), never one another, and nothing imports the
+entry points (``sweep.cli``, ``sweep.browse``) or the operational scripts of ``tools`` (outside
+the installed package).
 """
 
 from __future__ import annotations
@@ -14,19 +14,12 @@ import ast
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
 
-PACKAGES = ("experiments", "sweep")
+from tests.support import ROOT
+
+PACKAGES = ("experiments", "sweep", "tools")
 JOBS = ("sweep.run", "sweep.report", "sweep.eval")
-ENTRY_POINTS = (
-    "sweep.cli",
-    "sweep.browse",
-    "sweep.throughput",
-    "sweep.gpu_check",
-    "sweep.ui_check",
-    "sweep.servers_check",
-    "sweep.corpus_bench",
-)
+ENTRY_POINTS = ("sweep.cli", "sweep.browse", "tools")
 MAX_LINES = 400
 
 

@@ -8,7 +8,7 @@ import pytest
 from lm_eval.api.model import TemplateLM
 
 from experiments.lm_wrapper import GatedAttnLM
-from tests.test_bench import TEXT, WINDOW, direct_logprob, request, tiny_lm
+from tests.support import TEXT, WINDOW, direct_logprob, request, tiny_lm
 
 # Frequent enough that BPE merges " import", " café" and two emoji into single tokens.
 MERGED = "x = import os\nle café 😀😀 cafe\u0301 " * 30

@@ -8,7 +8,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT
 from torch import nn
 
 from experiments import names as N
@@ -19,6 +18,7 @@ from experiments.model import GatedLM, KVCache, YarnScaling
 from experiments.passkey import passkey_scores, score_candidates
 from experiments.probes import first_token_floor
 from experiments.strict import ConfigError, from_dict
+from tests.support import ROOT
 
 SHAPE = ModelConfig(
     vocab_size=512, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=32, max_seq_len=64

@@ -7,12 +7,12 @@ from typing import get_args
 
 import pytest
 import torch
-from conftest import ROOT
 
 from experiments.config import Activation, ConfigError, GateConfig, ModelConfig, MoEConfig
 from experiments.gating import ACTIVATIONS
 from experiments.model import GatedLM, count_active_parameters, count_parameters
 from sweep.grid import load_grid
+from tests.support import ROOT
 
 # A small shape with GQA (q=4, k=2) and head_dim != d_model / n_heads.
 SMALL = ModelConfig(
@@ -303,7 +303,7 @@ def test_match_params_is_rejected_for_a_moe_model() -> None:
 
 
 def test_the_benchmarks_dense_twin_has_the_moe_models_active_parameters() -> None:
-    from sweep.throughput.bare import dense_twin
+    from tools.throughput.bare import dense_twin
 
     moe = dataclasses.replace(SMALL, moe=MOE)
     twin = dense_twin(moe)

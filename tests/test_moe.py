@@ -174,6 +174,7 @@ def _rank_loss(rank: int, world: int, port: int, out: dict) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_global_batch_balancing_across_two_gloo_processes() -> None:
     """Two data-parallel ranks: with the all-reduce, each rank's loss is the loss of the whole
     global batch in one process, and its gradient is that batch's gradient on its own tokens;

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import nbformat
 import pytest
-from conftest import ROOT
 from nbclient import NotebookClient
 
+from tests.support import ROOT
 
-@pytest.mark.slow
+
 def test_analysis_notebook_runs_against_the_micro_store(micro: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     assert micro["code"] == 0
     monkeypatch.setenv("GATED_ATTN_GRID", str(micro["grid"]))

@@ -21,8 +21,11 @@ from sweep.grid import load_grid
 from sweep.run.progress import SweepClock
 from sweep.run.runner import CellResult, prepare_sweep, run_cell, summary_line
 from sweep.sqlite_lock import sqlite_file
-from sweep.store import Tracker, tracking_uri
-from tests.conftest import LONG_MICRO, LONG_STEPS, MICRO, ROOT, start_slow_cli, use_repo_cache
+from sweep.store import Tracker
+from sweep.store_urls import tracking_uri
+from tests.support import LONG_MICRO, LONG_STEPS, MICRO, ROOT, start_slow_cli, use_repo_cache
+
+pytestmark = pytest.mark.slow  # make test-all: processes, signals, faults
 
 #: LONG_MICRO cut to 12 steps: checkpoints at steps 5 and 10.
 SHORT_STEPS = 12
@@ -77,7 +80,6 @@ def test_processes_opening_one_new_store_at_once_all_get_it_whole(tmp_path: Path
     assert [s.study_name for s in studies] == ["cells-tiny"]
 
 
-@pytest.mark.slow
 def test_two_sweeps_started_at_once_on_a_new_store_train_each_cell_once(tmp_path: Path) -> None:
     """Issue 15's first example: two ``make sweep`` at the same moment on a new results folder.
     Both end well, and each cell has one run: the second sweep finds each cell claimed (busy)
@@ -115,7 +117,6 @@ def plant_running_run(results: Path, grid: Path, row: str, tags: dict[str, str])
     return tracker.start_cell(cell, tags)
 
 
-@pytest.mark.slow
 def test_a_run_whose_owner_beats_is_left_alone_however_slow_its_first_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
@@ -149,7 +150,6 @@ def test_a_run_whose_owner_beats_is_left_alone_however_slow_its_first_checkpoint
     assert steps_of(results, new.info.run_id) == list(range(8))
 
 
-@pytest.mark.slow
 def test_a_run_its_owner_finished_just_before_it_exited_is_skipped_not_restarted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -179,7 +179,6 @@ def test_a_run_its_owner_finished_just_before_it_exited_is_skipped_not_restarted
     assert run.data.tags["status"] == "finished"
 
 
-@pytest.mark.slow
 def test_a_cell_whose_first_checkpoint_write_failed_restarts_and_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
@@ -216,7 +215,6 @@ def test_a_cell_whose_first_checkpoint_write_failed_restarts_and_says_so(
         assert steps_of(results, new.info.run_id) == list(range(SHORT_STEPS))
 
 
-@pytest.mark.slow
 def test_after_sigterm_the_cells_never_begun_are_not_started(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:

@@ -9,12 +9,12 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT
 
 from experiments.config import DataConfig, GateConfig, ModelConfig
 from experiments.corpus import build_corpus
 from experiments.model import GatedLM
 from experiments.probes import first_token_attention, probe_batch, run_probes, score_summary
+from tests.support import ROOT
 
 SHAPE = ModelConfig(
     vocab_size=64, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=32, max_seq_len=16
@@ -164,7 +164,6 @@ def test_probe_metric_keys_are_bounded() -> None:
     assert len(result.metrics()) < 40
 
 
-@pytest.mark.slow
 def test_probe_batch_is_fixed_and_recorded_beside_the_manifest() -> None:
     corpus = build_corpus(DataConfig(vocab_size=512, max_chars_per_source=200000), ROOT / ".cache")
     a, record = probe_batch(corpus, seq_len=32, per_domain=2)

@@ -12,27 +12,26 @@ from pathlib import Path
 import optuna
 import pytest
 from mlflow import MlflowClient
-from mlflow.entities import ViewType
 
 from sweep.cli import main
 from sweep.grid import Grid, load_grid
-from sweep.run.interrupt import StopRequest
 from sweep.run.queue import Queue, enqueue_cells, open_queue, pop_cell, queue_outcomes, record, run_worker
 from sweep.run.resume import worker_name
 from sweep.run.runner import SweepContext, prepare_sweep
+from sweep.signals import StopRequest
 from sweep.studies import storage_url
-from tests.conftest import LONG_MICRO, LONG_STEPS, MICRO, ROOT, start_slow_cli, wait_for_checkpoint
+from tests.support import (
+    LONG_MICRO,
+    LONG_STEPS,
+    MICRO,
+    ROOT,
+    all_cell_runs,
+    queue_trials,
+    start_slow_cli,
+    wait_for_checkpoint,
+)
 
-
-def all_cell_runs(results: Path) -> list:
-    client = MlflowClient(tracking_uri=f"sqlite:///{results / 'mlflow.db'}")
-    exp = client.get_experiment_by_name("micro-tiny")
-    return client.search_runs([exp.experiment_id], "tags.kind = 'cell'", run_view_type=ViewType.ALL)
-
-
-def queue_trials(results: Path) -> list[optuna.trial.FrozenTrial]:
-    study = optuna.load_study(study_name="cells-tiny", storage=storage_url(results, None))
-    return study.get_trials()
+pytestmark = pytest.mark.slow  # make test-all: processes, signals, faults
 
 
 def test_three_workers_train_every_cell_exactly_once(

@@ -1,19 +1,21 @@
-"""The ranks ``spawn_ranks`` starts: their places are its own, signals meant for the sweep leave
-them alone, and nothing that ends the wait for them leaves one running."""
+"""The ranks torchrun starts (``sweep.run.ranks.launch``): their places are torchrun's, they
+handle the sweep's signals as one process does, and a second Ctrl-C leaves none running."""
 
 from __future__ import annotations
 
 import os
 import signal
 import sys
-import threading
 import time
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 
-from experiments.distributed import spawn_ranks
-from tests.test_ddp import _ranks_of
+from sweep.run.ranks import RanksFailed, launch, node_commands
+from tests.support import ranks_of
+
+pytestmark = pytest.mark.slow  # make test-all: processes, signals, faults
 
 LINUX = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -26,9 +28,13 @@ def lightning_place() -> tuple[int, int, str]:
     return trainer.global_rank, trainer.world_size, type(env).__name__
 
 
-def dispositions() -> dict[str, object]:
-    """This process's handlers of SIGINT, SIGTERM and SIGUSR2, by name, before anything here set one."""
-    return {s.name: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)}
+def dispositions() -> dict[str, str]:
+    """This rank's handlers of SIGINT, SIGTERM and SIGUSR2, by name."""
+    found = {}
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2):
+        handler = signal.getsignal(s)
+        found[s.name] = "SIG_IGN" if handler == signal.SIG_IGN else getattr(handler, "__qualname__", "?")
+    return found
 
 
 def nap(seconds: float) -> str:
@@ -36,66 +42,98 @@ def nap(seconds: float) -> str:
     return "woke"
 
 
-def test_inside_a_slurm_job_the_ranks_take_their_places_from_spawn_ranks(monkeypatch) -> None:
+def rank_1_fails() -> None:
+    """Rank 1 raises; rank 0 waits as it would in a collective that never completes."""
+    if os.environ["RANK"] == "1":
+        raise ValueError("disk full on rank 1")
+    time.sleep(300)
+
+
+def rank_0_fails() -> None:
+    if os.environ["RANK"] == "0":
+        raise ValueError("bad batch on rank 0")
+    time.sleep(300)
+
+
+def test_inside_a_slurm_job_the_ranks_take_their_places_from_torchrun(monkeypatch) -> None:
     """Under SLURM (a task of 2: rank 1) Lightning would read every rank's place from
     ``SLURM_PROCID``; the ranks see none of ``SLURM_*`` and rank 0 is rank 0 of 2."""
     for name, value in {"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "1",
                         "SLURM_NODEID": "1", "SLURM_JOB_NAME": "sweep-worker"}.items():  # fmt: skip
         monkeypatch.setenv(name, value)
-    assert spawn_ranks(lightning_place, 2) == (0, 2, "LightningEnvironment")
+    assert launch(lightning_place, 2) == (0, 2, "TorchElasticEnvironment")
 
 
-def test_the_ranks_ignore_the_sweeps_signals_from_their_start_and_the_caller_keeps_its_handlers() -> None:
+def test_a_rank_stops_on_the_sweeps_signals_ignores_submitits_and_the_caller_keeps_its_handlers() -> None:
     handler = signal.signal(signal.SIGUSR2, lambda *_: None)
     try:
-        before = dispositions()
-        seen = spawn_ranks(dispositions, 1)
-        assert seen == {"SIGINT": signal.SIG_IGN, "SIGTERM": signal.SIG_IGN, "SIGUSR2": signal.SIG_IGN}
-        assert dispositions() == before
+        before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)}
+        seen = launch(dispositions, 1)
+        stop = "StopRequest._handle"
+        assert seen == {"SIGINT": stop, "SIGTERM": stop, "SIGUSR2": "SIG_IGN"}
+        assert {s: signal.getsignal(s) for s in before} == before
     finally:
         signal.signal(signal.SIGUSR2, handler)
 
 
-@LINUX
-def test_signals_sent_to_the_ranks_from_their_first_moment_do_not_kill_them() -> None:
-    """SLURM and a terminal signal every process of the job, ranks starting up included."""
-    done = threading.Event()
-
-    def pester() -> None:
-        while not done.is_set():
-            for pid in _ranks_of(os.getpid()):
-                for sig in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
-                    os.kill(pid, sig)
-            time.sleep(0.01)
-
-    thread = threading.Thread(target=pester, daemon=True)
-    thread.start()
-    try:
-        assert spawn_ranks(nap, 2, 3.0) == "woke"
-    finally:
-        done.set()
-        thread.join()
+def test_rank_0s_error_is_raised_in_the_caller_and_another_ranks_ends_the_cell() -> None:
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="bad batch on rank 0"):
+        launch(rank_0_fails, 2)
+    with pytest.raises(RanksFailed, match="torchrun exited 1 without rank 0's outcome"):
+        launch(rank_1_fails, 2)
+    assert time.monotonic() - started < 120  # not rank 0's 300 s wait
 
 
-@LINUX
-def test_ctrl_c_while_the_ranks_run_ends_them_before_it_propagates() -> None:
-    asked = []
+class SecondCtrlC:
+    """A stop request whose third look raises KeyboardInterrupt (a second Ctrl-C)."""
 
-    def interrupt() -> None:
-        asked.append(time.monotonic())
-        if len(asked) == 3:  # the ranks are up by now
+    def __init__(self) -> None:
+        self.asked = 0
+
+    @property
+    def signum(self) -> int | None:
+        self.asked += 1
+        if self.asked == 30:  # the ranks are up by now (0.2 s a look)
             raise KeyboardInterrupt
+        return None
 
+
+@LINUX
+def test_a_second_ctrl_c_while_the_ranks_run_propagates_and_torchrun_ends_them() -> None:
     started = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        spawn_ranks(nap, 2, 300.0, abort=interrupt)
-    assert time.monotonic() - started < 60
-    assert _ranks_of(os.getpid()) == []  # ended and reaped, not left sleeping
+        launch(nap, 2, 300.0, stop=SecondCtrlC())
+    deadline = time.monotonic() + 60
+    while ranks_of(os.getpid()):
+        assert time.monotonic() < deadline, "ranks left running"
+        time.sleep(0.1)
+    assert time.monotonic() - started < 90
 
 
-def test_ranks_started_from_another_thread_ignore_the_sweeps_signals_too() -> None:
-    seen: list[object] = []
-    thread = threading.Thread(target=lambda: seen.append(spawn_ranks(dispositions, 1)))
-    thread.start()
-    thread.join(timeout=120)
-    assert seen == [{"SIGINT": signal.SIG_IGN, "SIGTERM": signal.SIG_IGN, "SIGUSR2": signal.SIG_IGN}]
+def test_a_cell_on_two_nodes_starts_one_torchrun_per_node_here_and_one_srun_in_a_slurm_job(
+    monkeypatch, tmp_path: Path
+) -> None:
+    job = tmp_path / "job.pkl"
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    (one,) = node_commands(job, 4, 1)
+    assert one[1:] == [
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=4",
+        "--standalone",
+        "-m",
+        "sweep.run.ranks",
+        str(job),
+    ]
+    here = node_commands(job, 2, 2, "cell7")
+    assert len(here) == 2 and here[0] == here[1]
+    assert here[0][4:8] == ["--nnodes=2", "--rdzv-backend=c10d", here[0][6], "--rdzv-id=cell7"]
+    assert here[0][6].startswith("--rdzv-endpoint=127.0.0.1:")
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    monkeypatch.setenv("PATH", str(tmp_path), prepend=os.pathsep)
+    (tmp_path / "srun").write_text("#!/bin/sh\n")
+    (tmp_path / "srun").chmod(0o755)
+    (srun,) = node_commands(job, 8, 16, "cell7")
+    assert srun[:5] == ["srun", "--overlap", "--nodes=16", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    assert "--nnodes=16" in srun and "--nproc-per-node=8" in srun

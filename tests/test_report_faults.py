@@ -11,7 +11,9 @@ import pytest
 from mlflow import MlflowClient
 
 from sweep.cli import main
-from tests.conftest import MICRO, swept
+from tests.support import MICRO, swept
+
+pytestmark = pytest.mark.slow  # make test-all: processes, signals, faults
 
 
 @pytest.fixture(scope="module")

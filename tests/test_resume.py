@@ -11,7 +11,9 @@ from mlflow import MlflowClient
 from mlflow.entities import ViewType
 
 from sweep.cli import main
-from tests.conftest import LONG_MICRO, LONG_STEPS, start_slow_cli, swept, use_repo_cache, wait_for_checkpoint
+from tests.support import LONG_MICRO, LONG_STEPS, start_slow_cli, swept, use_repo_cache, wait_for_checkpoint
+
+pytestmark = pytest.mark.slow  # make test-all: processes, signals, faults
 
 STEPS = LONG_STEPS
 ROW = "sdpa_elementwise"
@@ -139,7 +141,6 @@ def test_a_crashed_cell_keeps_its_checkpoint_fails_the_sweep_and_resumes(
     assert_same_training(results, uninterrupted["results"])
 
 
-@pytest.mark.slow
 def test_a_resume_with_another_placement_is_refused_in_one_line(
     uninterrupted: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from sweep.cli import main
-from sweep.run.interrupt import StopRequest
 from sweep.run.queue import start_processes
+from sweep.signals import StopRequest
 from sweep.store_urls import STORAGE_ENV, hide_password
-from tests.conftest import MICRO
+from tests.support import MICRO
 
 SECRET = "S3cr-t_pw"
 URL = f"postgresql+psycopg://alice:{SECRET}@db.example:5432/sweeps"

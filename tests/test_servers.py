@@ -11,15 +11,17 @@ import threading
 
 import pytest
 
-from sweep.servers import missing, postgres
 from sweep.sqlite_lock import LockTimeout, creation_lock
-from tests.conftest import ROOT
+from tests.support import ROOT
+from tools.servers import missing, postgres
+
+pytestmark = pytest.mark.slow  # make test-all: processes, signals, faults
 
 needs_servers = pytest.mark.skipif(missing() is not None, reason=f"servers check: {missing()}")
 
 
 def test_the_checks_loss_comparison_wants_each_step_once_and_equal_values() -> None:
-    from sweep.servers_check import same_losses
+    from tools.servers_check import same_losses
 
     want = [(0, 6.0), (1, 5.5), (2, 5.0)]
     assert same_losses([(0, 6.0), (1, 5.5 * (1 + 5e-6)), (2, 5.0)], want)
@@ -55,12 +57,11 @@ def test_schema_creation_on_postgresql_is_one_process_at_a_time() -> None:
 
 
 @needs_servers
-@pytest.mark.slow
 def test_the_multi_machine_recipe_survives_a_killed_worker_on_real_servers() -> None:
-    """``python -m sweep.servers_check``: two machines on one PostgreSQL queue and one MLflow
+    """``python -m tools.servers_check``: two machines on one PostgreSQL queue and one MLflow
     server, a worker SIGKILLed mid-cell; each cell one finished run with the one-process losses."""
     done = subprocess.run(
-        [sys.executable, "-m", "sweep.servers_check"], cwd=ROOT, capture_output=True, text=True, timeout=1200
+        [sys.executable, "-m", "tools.servers_check"], cwd=ROOT, capture_output=True, text=True, timeout=1200
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "servers check passed" in done.stdout

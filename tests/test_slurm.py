@@ -15,18 +15,33 @@ from pathlib import Path
 import optuna
 import psutil
 import pytest
+import torch.distributed as dist
 from mlflow import MlflowClient
 
 from sweep.cli import main
 from sweep.grid import load_grid
-from sweep.run.interrupt import StopRequest
 from sweep.run.queue import enqueue_cells, open_queue
 from sweep.run.runner import prepare_sweep
 from sweep.run.slurm import ClusterSettings, SubmititLauncher, make_executor
+from sweep.signals import StopRequest
 from sweep.studies import storage_url
-from tests.conftest import LONG_MICRO, LONG_STEPS, ROOT, SLOW_CLI, wait_for_checkpoint
-from tests.test_queue import all_cell_runs, queue_trials
+from tests.support import (
+    LONG_MICRO,
+    LONG_STEPS,
+    MICRO,
+    ROOT,
+    SLOW_CLI,
+    all_cell_runs,
+    assert_close,
+    histories,
+    queue_trials,
+    wait_for_checkpoint,
+    weights,
+)
 
+pytestmark = pytest.mark.slow  # make test-all: processes, signals, faults
+
+GLOO = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo backend")
 pytest.importorskip("submitit", reason="the cluster launcher needs submitit (a core dependency)")
 
 ROWS = ["baseline", "sdpa_elementwise"]  # two rows, two seeds: four cells
@@ -151,3 +166,71 @@ def test_the_cluster_launcher_needs_a_number_of_workers_and_srun(
             == 'error: --launcher slurm: Could not detect "srun", are you indeed on a slurm cluster?\n'
         )
         assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_a_two_node_job_asks_slurm_for_two_nodes_of_one_task(tmp_path: Path, monkeypatch) -> None:
+    import submitit
+
+    monkeypatch.setattr(submitit.SlurmExecutor, "affinity", classmethod(lambda cls: 1))  # "srun is here"
+    executor = make_executor(ClusterSettings("slurm", tmp_path, gpus_per_worker=8, nodes=2))
+    script = executor._executor._make_submission_file_text("python -m sweep.cli worker", "uid")
+    for flag in ("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=8"):
+        assert f"#SBATCH {flag}" in script
+
+
+def test_a_cell_on_two_nodes_is_refused_without_a_cluster_launcher(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    path = tmp_path / "micro.yaml"
+    path.write_text(MICRO.replace("expert_dim: 16}}}", "expert_dim: 16}}, train: {num_nodes: 2}}"))
+    code = main(["sweep", "--grid", str(path), "--results", str(tmp_path / "results")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == (
+        f"error: {path}: row 'moe': train.num_nodes: num_nodes = 2: a cell on several machines trains "
+        "in a cluster job of as many nodes (LAUNCHER=slurm, or submitit-local to try it here)"
+    )
+    args = [
+        "sweep",
+        "--grid",
+        str(path),
+        "--results",
+        str(tmp_path / "results"),
+        "--launcher",
+        "submitit-local",
+    ]
+    assert main([*args, "--workers", "1"]) == 2  # one job size per sweep: 1 and 2 nodes mixed
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(
+        f"error: {path}: row 'baseline': train.num_nodes: num_nodes = 1, but row 'moe' has 2"
+    )
+    assert not (tmp_path / "results").exists()
+
+
+@GLOO
+def test_a_moe_cell_on_two_nodes_of_one_job_trains_as_in_one_process(
+    tmp_path: Path, repo_cache: None
+) -> None:
+    """``train: {num_nodes: 2, strategy: ddp}`` through ``--launcher submitit-local``: one job whose
+    worker starts two torchrun "nodes" of one gloo rank each here, meeting at one c10d
+    rendezvous (in a SLURM job: one ``srun`` of torchrun over its nodes). Its run holds every
+    metric of the one-process run, each step once, with the same values (but wall-clock
+    figures), and its final weights."""
+    two_nodes = MICRO.replace("max_lr: 2e-3}", "max_lr: 2e-3, num_nodes: 2, strategy: ddp}")
+    found = {}
+    for name, text, extra in (
+        ("one", MICRO, []),
+        ("two", two_nodes, ["--launcher", "submitit-local", "--workers", "1", "--gpus-per-worker", "0"]),
+    ):
+        (tmp_path / name).mkdir()
+        grid = tmp_path / name / "grid.yaml"
+        grid.write_text(text)
+        results = tmp_path / name / "results"
+        assert main(["sweep", "--grid", str(grid), "--results", str(results), "--rows", "moe", *extra]) == 0
+        found[name] = histories(results)
+    one, two = found["one"], found["two"]
+    assert one.keys() == two.keys() and "train/loss" in one
+    for key in {k for k in one if not k.startswith("system/")} - {"train/tokens_per_s"}:
+        assert [s for s, _ in two[key]] == [s for s, _ in one[key]], key
+        assert [v for _, v in two[key]] == pytest.approx([v for _, v in one[key]], rel=1e-4, abs=1e-6), key
+    finals = [next((tmp_path / n / "results" / "checkpoints").glob("*/*/final.ckpt")) for n in ("one", "two")]
+    assert_close(weights(finals[1]), weights(finals[0]))

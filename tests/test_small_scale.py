@@ -10,7 +10,6 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import ROOT
 
 from experiments import names as N
 from experiments.config import BackcopyConfig, DataConfig, GateConfig, ModelConfig, RunConfig, TrainConfig
@@ -23,6 +22,7 @@ from experiments.probes import first_token_floor, late_query_start, probe_batch,
 from experiments.strict import identity_dict
 from sweep.grid import load_grid, run_key
 from sweep.report.curves import ranking_stable, side_of_reference
+from tests.support import ROOT
 
 TINY = ModelConfig(vocab_size=256, d_model=128, n_layers=1, n_heads=16, n_kv_heads=2, head_dim=16, ffn_dim=64)
 PAPER = ModelConfig(

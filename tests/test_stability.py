@@ -8,13 +8,13 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from conftest import MICRO, use_repo_cache
 from mlflow import MlflowClient
 
 from experiments.config import ConfigError, ModelConfig, RunConfig, TrainConfig
 from experiments.lit import LMModule
 from experiments.stability import Diverged, SpikeDetector, check_divergence, divergence_bound
 from sweep.cli import main
+from tests.support import MICRO, use_repo_cache
 
 
 def test_planted_spike_is_counted_once() -> None:
@@ -53,7 +53,6 @@ def test_divergence_bound(loss: float) -> None:
     check_divergence(7, bound - 0.01, bound)  # below the bound: nothing raised
 
 
-@pytest.mark.slow
 def test_a_nan_loss_marks_the_cell_diverged_keeps_its_checkpoint_and_the_sweep_goes_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:

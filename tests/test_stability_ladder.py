@@ -10,7 +10,6 @@ from pathlib import Path
 import optuna
 import pandas as pd
 import pytest
-from conftest import ROOT, use_repo_cache
 from mlflow import MlflowClient
 from optuna.trial import TrialState
 
@@ -26,6 +25,7 @@ from sweep.report.stability import (
 )
 from sweep.run.tune import make_pruner, tune_row
 from sweep.studies import DIVERGED_ATTR, VAL_LOSS_ATTR
+from tests.support import ROOT, use_repo_cache
 
 L0 = math.log(2048)  # 7.6246 nats
 LADDER = [1e-3, 1e-2, 1e-1, 1.0]
@@ -184,7 +184,6 @@ def test_a_grid_without_a_ladder_is_refused_in_one_line(
     assert err == f"error: {grid}: lr_ladder: the grid declares no ladder; add one or give --ladder"
 
 
-@pytest.mark.slow
 def test_the_ladder_trains_every_rung_records_divergence_and_a_rerun_trains_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:

@@ -16,16 +16,19 @@ from experiments.train import Training
 from sweep.cli import main
 from sweep.grid import load_grid, run_key
 from sweep.gridfile import GridError
-from tests.conftest import LONG_MICRO, LONG_STEPS, start_slow_cli, swept, use_repo_cache, wait_for_checkpoint
-
-STAGE_ROW = (
-    '  - {id: baseline_long, label: "Baseline, stage 2", parent: baseline,\n'
-    "     model: {rope_theta: 1000000.0, max_seq_len: x4}, train: {seq_len: x4, batch_size: x1/4}}\n"
-    '  - {id: gated_long, label: "G1, stage 2", parent: sdpa_elementwise,\n'
-    "     model: {rope_theta: 1000000.0, max_seq_len: x4},\n"
-    "     train: {seq_len: x4, batch_size: x1/4, max_steps: 12}}\n"
+from tests.support import (
+    LONG_MICRO,
+    LONG_STEPS,
+    STAGED,
+    client_for,
+    runs_of,
+    start_slow_cli,
+    swept,
+    use_repo_cache,
+    wait_for_checkpoint,
 )
-STAGED = LONG_MICRO + STAGE_ROW
+
+pytestmark = pytest.mark.slow  # make test-all: processes, signals, faults
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -90,16 +93,6 @@ def test_start_from_loads_every_parent_weight(micro: dict, tmp_path: Path, repo_
     mine = run.module.state_dict()
     assert set(saved) == set(mine)
     assert all(torch.equal(saved[k], mine[k]) for k in saved)
-
-
-def client_for(results: Path) -> MlflowClient:
-    return MlflowClient(tracking_uri=f"sqlite:///{results / 'mlflow.db'}")
-
-
-def runs_of(results: Path, row: str) -> list:
-    client = client_for(results)
-    exp = client.get_experiment_by_name("micro-tiny")
-    return client.search_runs([exp.experiment_id], f"tags.kind = 'cell' and tags.row = '{row}'")
 
 
 def history(results: Path, row: str, key: str) -> list[tuple[int, float]]:
@@ -189,7 +182,6 @@ def test_queue_workers_train_each_stage_after_its_parent(tmp_path: Path, repo_ca
         assert stage.info.start_time >= parent.info.end_time  # never popped while its parent trained
 
 
-@pytest.mark.slow
 def test_a_stage_trains_again_once_its_parent_retrained_or_was_deleted(
     tmp_path: Path, repo_cache: None, capsys: pytest.CaptureFixture
 ) -> None:

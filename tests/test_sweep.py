@@ -9,7 +9,6 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from conftest import MICRO, use_repo_cache
 from mlflow import MlflowClient
 
 from experiments.config import RunConfig, from_dict
@@ -18,6 +17,7 @@ from sweep.cli import main
 from sweep.grid import load_grid
 from sweep.report.display import display_table
 from sweep.report.tables import build_table, paired_delta
+from tests.support import MICRO, use_repo_cache
 
 
 def _runs(results: Path) -> tuple[MlflowClient, list]:
@@ -27,7 +27,6 @@ def _runs(results: Path) -> tuple[MlflowClient, list]:
     return client, client.search_runs([exp.experiment_id], "tags.kind = 'cell'")
 
 
-@pytest.mark.slow
 def test_micro_sweep_tracks_every_cell(micro: dict) -> None:
     assert micro["code"] == 0
     client, runs = _runs(micro["results"])
@@ -78,7 +77,6 @@ def test_micro_sweep_tracks_every_cell(micro: dict) -> None:
     assert m["train/z_loss"] > 0 and m["moe/load_cv"] >= 0
 
 
-@pytest.mark.slow
 def test_micro_table_matches_the_store(micro: dict) -> None:
     table = pd.read_csv(micro["results"] / "micro.csv")
     assert {"row", "label", "added_params_m", "avg_ppl"} <= set(table.columns)
@@ -101,7 +99,6 @@ def test_micro_table_matches_the_store(micro: dict) -> None:
     assert markdown.count("| reference ") == 2  # the baseline's Δ and paper Δ
 
 
-@pytest.mark.slow
 def test_second_sweep_trains_nothing_and_writes_the_same_table(
     micro: dict, capsys: pytest.CaptureFixture
 ) -> None:
@@ -151,7 +148,6 @@ def test_table_statistics_over_seeds(tmp_path: Path) -> None:
     assert table.loc["sdpa_elementwise", "added_params_m"] == pytest.approx(2 * 32 * 4 * 8 / 1e6)
 
 
-@pytest.mark.slow
 def test_force_retrains_and_supersedes_only_after_success(micro: dict, capsys: pytest.CaptureFixture) -> None:
     args = ["sweep", "--grid", str(micro["grid"]), "--results", str(micro["results"])]
     assert main([*args, "--rows", "baseline", "--force"]) == 0
@@ -166,7 +162,6 @@ def test_force_retrains_and_supersedes_only_after_success(micro: dict, capsys: p
     assert table.loc["baseline", "n_seeds"] == 1  # the superseded run is not counted twice
 
 
-@pytest.mark.slow
 def test_runs_of_an_edited_grid_do_not_enter_the_table(micro: dict, tmp_path: Path) -> None:
     edited = tmp_path / "micro.yaml"
     edited.write_text(MICRO.replace("max_lr: 2e-3", "max_lr: 3e-3"))
@@ -177,7 +172,6 @@ def test_runs_of_an_edited_grid_do_not_enter_the_table(micro: dict, tmp_path: Pa
     main(["tables", "--grid", str(micro["grid"]), "--results", str(micro["results"])])  # restore
 
 
-@pytest.mark.slow
 def test_a_last_step_off_the_validation_grid_is_still_validated(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -191,7 +185,6 @@ def test_a_last_step_off_the_validation_grid_is_still_validated(
     assert runs[0].data.metrics["val/ppl/avg"] == history[-1].value
 
 
-@pytest.mark.slow
 def test_probes_every_validation_when_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     use_repo_cache(monkeypatch)
     grid = tmp_path / "g.yaml"
@@ -211,7 +204,6 @@ def test_probes_every_validation_when_asked(tmp_path: Path, monkeypatch: pytest.
     }
 
 
-@pytest.mark.slow
 def test_tables_write_the_figures_and_a_report_run_holds_them(micro: dict) -> None:
     import matplotlib.image
 
@@ -282,7 +274,6 @@ def test_rows_are_measured_against_their_compare_to_row(tmp_path: Path) -> None:
     assert shown.loc["deep_gated", "Δ Avg PPL"] == "-3.000"
 
 
-@pytest.mark.slow
 def test_a_cell_another_grid_trained_is_not_trained_again(
     micro: dict, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -345,7 +336,6 @@ def test_two_rows_of_one_config_both_show_its_run(tmp_path: Path) -> None:
     assert table.loc["baseline_again", "avg_ppl"] == 42.0 and table.loc["baseline_again", "status"] == "ok"
 
 
-@pytest.mark.slow
 def test_micro_table_records_the_commit_command_and_arithmetic_it_came_from(micro: dict) -> None:
     import json
 

@@ -9,7 +9,7 @@ from mlflow import MlflowClient
 
 from sweep.cli import main
 from sweep.run.sysmetrics import ENV
-from tests.conftest import MICRO
+from tests.support import MICRO
 
 
 def cell_runs(results: Path) -> list:

@@ -16,7 +16,7 @@ from sweep.cli import main
 from sweep.grid import load_grid
 from sweep.gridfile import GridError
 from sweep.report.longctx import build_longctx_table, gap_block, task_block
-from tests.conftest import MICRO, swept
+from tests.support import MICRO, swept
 
 STAGES = (
     '  - {id: baseline_long, label: "Baseline", parent: baseline, compare_to: baseline_long,\n'
@@ -161,7 +161,8 @@ def test_the_shipped_table5_grid_keeps_the_recipe() -> None:
 def test_ruler_tasks_without_the_extra_warn_and_leave_the_other_scores(table5: dict) -> None:
     from sweep.eval.longctx_run import score_missing_long_context
     from sweep.eval.ruler import missing_packages
-    from sweep.store import Tracker, tracking_uri
+    from sweep.store import Tracker
+    from sweep.store_urls import tracking_uri
 
     if not missing_packages():
         pytest.skip("the ruler extra is installed here")

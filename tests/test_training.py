@@ -10,6 +10,7 @@ import torch
 from experiments.config import DataConfig, GateConfig, ModelConfig, RunConfig, TrainConfig
 from experiments.lit import LMModule, auto_precision, lr_at
 from experiments.model import GatedLM
+from tests.support import ROOT
 
 SCHED = TrainConfig(max_steps=100, warmup_steps=10, max_lr=2e-3, min_lr=3e-5)
 
@@ -116,7 +117,6 @@ def test_the_global_batch_must_split_over_the_processes() -> None:
 def test_the_recipe_trains_a_config_without_the_harness(tmp_path) -> None:
     """``experiments.train.Training`` alone: a micro gated config trains, validates at its last step,
     saves its weights, and probes; the step checkpoint lands where it was asked."""
-    from conftest import ROOT
 
     from experiments.train import Training
 

@@ -12,7 +12,6 @@ from types import SimpleNamespace
 import optuna
 import pandas as pd
 import pytest
-from conftest import ROOT, use_repo_cache
 from mlflow import MlflowClient
 from optuna.trial import TrialState
 
@@ -22,8 +21,12 @@ from sweep.cli import main
 from sweep.grid import load_grid
 from sweep.run import ladder, search, tune
 from sweep.run.tune import StepPruningCallback, study_name, tune_row
-from sweep.store import Tracker, tracking_uri
+from sweep.store import Tracker
+from sweep.store_urls import tracking_uri
 from sweep.studies import make_storage, storage_url
+from tests.support import ROOT, start_slow_cli, use_repo_cache, wait_for_checkpoint
+
+pytestmark = pytest.mark.slow  # make test-all: processes, signals, faults
 
 TUNE = """\
 name: micro
@@ -62,7 +65,6 @@ def _enqueued(s: dict, lrs: list[float]) -> optuna.Study:
     return study
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("devices", [1, 2], ids=["one_process", "two_ranks"])
 def test_a_bad_trial_is_pruned_by_step_and_trials_link_to_their_study_run(setup: dict, devices: int) -> None:
     """With ``devices: 2`` every trial trains on two DDP ranks; rank 0 reports to the study and
@@ -96,7 +98,6 @@ def test_a_bad_trial_is_pruned_by_step_and_trials_link_to_their_study_run(setup:
     assert len(again.get_trials()) == 3  # the budget is met: a rerun adds nothing
 
 
-@pytest.mark.slow
 def test_a_nan_trial_is_recorded_as_diverged_and_the_study_goes_on(
     setup: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -131,7 +132,6 @@ def test_a_trial_started_once_the_budget_was_taken_is_beyond_it() -> None:
     assert not tune.beyond_budget(study, fifth.number, 4)
 
 
-@pytest.mark.slow
 def test_a_worker_that_asks_for_a_trial_beyond_the_budget_stops_without_training(setup: dict) -> None:
     """Three trials complete and another worker's still running: a budget of four is taken, so
     the trial this worker asks for is failed untrained (``surplus``), and nothing counts it."""
@@ -154,7 +154,6 @@ def test_a_worker_that_asks_for_a_trial_beyond_the_budget_stops_without_training
     assert [r["state"] for r in sweep.studies.trial_table(study)] == ["complete"] * 3
 
 
-@pytest.mark.slow
 def test_two_workers_on_one_storage_share_the_budget(setup: dict) -> None:
     env = {**os.environ, "GATED_ATTN_CACHE": str(ROOT / ".cache")}
     env.pop("MLFLOW_TRACKING_URI", None)
@@ -174,7 +173,6 @@ def test_two_workers_on_one_storage_share_the_budget(setup: dict) -> None:
     assert sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials) == 4
 
 
-@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")  # ask() simulates the dead worker
 def test_a_dead_workers_trial_is_failed_and_retried(setup: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sweep.studies, "HEARTBEAT_S", 1)  # grace period 3 s instead of 90 s
@@ -237,7 +235,6 @@ def test_a_ladder_rerun_trains_only_missing_rungs_and_rejects_another_ladder() -
         ladder.unvisited(study, [1e-3, 8e-3])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("command", ["tune", "stability"])
 def test_ctrl_c_in_an_lr_search_fails_the_trial_cleanly_and_a_rerun_completes_the_budget(
     setup: dict, command: str
@@ -245,8 +242,6 @@ def test_ctrl_c_in_an_lr_search_fails_the_trial_cleanly_and_a_rerun_completes_th
     """The stability ladder's rerun once trained 2 of 3 rungs: Optuna's GridSampler counted the
     failed rung as visited and stopped the study."""
     import signal
-
-    from conftest import start_slow_cli, wait_for_checkpoint
 
     setup["path"].write_text(
         TUNE.replace("max_steps: 8,", "max_steps: 40,").replace(

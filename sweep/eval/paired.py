@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     from experiments.checkpointing import CheckpointDamaged
     from sweep.eval.scores import evaluate_checkpoint, prepare_lm_eval
     from sweep.grid import GridError, load_grid
-    from sweep.store import Tracker, experiment_name, tracking_uri
+    from sweep.store import Tracker, experiment_name
+    from sweep.store_urls import tracking_uri
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--grid", default="grids/table1.yaml")

@@ -7,16 +7,15 @@ A staging folder left by a process that died (``kill -9``) is removed by the nex
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
 import socket
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 from matplotlib.figure import Figure
+
+from sweep.signals import held
 
 _PREFIX = ".staging-"  # .staging-<pid>@<host>-<random>/
 _HOST = socket.gethostname()
@@ -66,7 +65,7 @@ class Staging:
         SIGINT and SIGTERM blocked (delivered once all are in place); return the final paths. The
         staging folder is removed whatever happens."""
         try:
-            with _signals_held():
+            with held():
                 for final, staged in self._files.items():
                     final.parent.mkdir(parents=True, exist_ok=True)
                     os.replace(staged, final)
@@ -89,20 +88,6 @@ class Staging:
             self.publish()
         else:
             self.discard()
-
-
-@contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
-    """Block SIGINT and SIGTERM (main thread, POSIX); pending ones arrive on leaving."""
-    held = {signal.SIGINT, signal.SIGTERM}
-    if not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def remove_stale(results_dir: Path) -> None:

@@ -12,7 +12,8 @@ from experiments import names as N
 from experiments.config import GateConfig, to_dict
 from experiments.names import Status, current_key
 from sweep.grid import Grid, Row
-from sweep.store import Tracker, experiment_name, flatten, started_from, tracking_uri
+from sweep.store import Tracker, experiment_name, flatten, started_from
+from sweep.store_urls import tracking_uri
 
 
 def finished_runs(grid: Grid, scale: str, results_dir: Path, seeds: list[int] | None = None) -> pd.DataFrame:

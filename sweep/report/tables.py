@@ -19,7 +19,8 @@ from scipy import stats
 
 from experiments import names as N
 from experiments.names import PROBE_COLUMNS, RowStatus, Status
-from sweep.grid import Grid, Row, paper_csv, table_number
+from sweep.grid import Grid, Row, table_number
+from sweep.gridcheck import paper_csv
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from sweep.grid import Grid, paper_csv
+from sweep.grid import Grid
+from sweep.gridcheck import paper_csv
 from sweep.report.curves import curves_markdown, mean_curves, metric_curves, side_of_reference
 from sweep.report.display import display_table, markdown
 from sweep.report.figures import draw_curve_figures, draw_figures
@@ -24,8 +25,8 @@ from sweep.report.manifest import provenance, provenance_line, stage_manifest
 from sweep.report.publish import Staging
 from sweep.report.runs import finished_runs, one_arithmetic
 from sweep.report.tables import bench_columns, build_table
-from sweep.store import Tracker, TrackingError, experiment_name, tracking_uri
-from sweep.store_urls import missing_sqlite_store
+from sweep.store import Tracker, experiment_name
+from sweep.store_urls import TrackingError, missing_sqlite_store, tracking_uri
 
 
 def table_paths(grid: Grid, scale: str, results_dir: Path) -> dict[str, Path]:

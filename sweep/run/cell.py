@@ -10,17 +10,17 @@ from typing import Any
 
 import lightning.pytorch as pl
 import optuna
+import torch
 
 from experiments import names as N
-from experiments.checkpointing import FINAL_CHECKPOINT
-from experiments.distributed import spawn_ranks
+from experiments.checkpointing import FINAL_CHECKPOINT, save_at_step_start, step_checkpoint_name
 from experiments.stability import Diverged
 from experiments.train import Training
 from sweep.grid import Cell
-from sweep.run.interrupt import STOP_FILE, Interrupted, StopFlag, StopOnRequest, raise_flag
-from sweep.run.nodes import leader_for
+from sweep.run import ranks
 from sweep.run.progress import ProgressPrinter, SweepClock
 from sweep.run.resume import FlushBeforeCheckpoint, ResumingMLFlowLogger
+from sweep.signals import Interrupted, StopRequest
 from sweep.store import Tracker, user_tracking_env
 
 
@@ -33,11 +33,11 @@ def checkpoint_dir(results_dir: Path, experiment: str, run_id: str) -> Path:
 
 
 #: How every rank of a multi-process cell stops together short of a result: returned by each
-#: rank as a value (:func:`_rank`), raised again in the sweep's process.
+#: rank as a value (:func:`_rank`), raised again in the worker.
 RANK_STOPS = (Diverged, Interrupted, optuna.TrialPruned)
 
 
-def train_cell(
+def train_on_ranks(
     cell: Cell,
     tracker: Tracker,
     run_id: str,
@@ -67,42 +67,31 @@ def train_cell(
     replayed steps from being logged twice. ``start_weights`` (a later stage's parent's
     ``final.ckpt``) are the weights a fit from step 0 starts from; a resumed fit restores its own.
 
-    A cell of ``train.world_size`` > 1 trains in that many processes
-    (:func:`experiments.distributed.spawn_ranks`, Lightning DDP; on ``train.num_nodes`` machines,
-    the nodes of this worker's job, :mod:`sweep.run.nodes`): rank 0 records everything above
-    through a :class:`Tracker` of its own on the same store and prints the progress lines; the other
-    ranks train, validate and probe with it and record nothing. ``extra_callbacks`` are left out
-    there (they live in this process), except that a :class:`StopOnRequest` among them is passed
-    on (its signal stops every rank at one step, with a checkpoint (:class:`StopFlag`), and the
-    cell ends ``killed`` as in one process), and every rank runs the ``for_ranks()`` of a callback
-    that has one (the LR search's pruning, ``sweep.run.tune.RankPruningCallback``).
+    A cell of ``train.world_size`` > 1 trains in that many processes, started by torchrun
+    (:func:`sweep.run.ranks.launch`, Lightning DDP; on ``train.num_nodes`` machines, the nodes of
+    this worker's cluster job): rank 0 records everything above through a :class:`Tracker` of
+    its own on the same store and prints the progress lines; the other ranks train, validate and
+    probe with it and record nothing. ``extra_callbacks`` are left out there (they live in this
+    process), except that every rank runs the ``for_ranks()`` of a callback that has one (the LR
+    search's pruning, ``sweep.run.tune.RankPruningCallback``), and a :class:`StopOnRequest`
+    among them is remade in each rank on the rank's own signals: once this process's request
+    holds a signal torchrun gets SIGTERM and passes it on, every rank stops at one step with a
+    checkpoint, and the cell ends ``killed`` as in one process.
 
     Raises:
         experiments.stability.Diverged: the loss diverged; the last periodic checkpoint stays.
-        torch.multiprocessing.ProcessRaisedException: a rank of a multi-process cell raised.
+        sweep.run.ranks.RanksFailed: a rank of a multi-process cell failed (rank 0's own error
+            is raised as it is).
         optuna.TrialPruned: an LR-search trial's pruner stopped it (its callback raised it).
     """
     args = (cell, run_id, reference_params, cache_root, checkpoints, resume_from, replayed, start_weights)
     t = cell.config.train
     if t.world_size == 1:
-        return _train(tracker, progress, extra_callbacks or [], *args)
-    # Callbacks made for the ranks (the LR search's pruning): every rank runs its copy.
+        return train_tracked(tracker, progress, extra_callbacks or [], *args)
     for_ranks = [c.for_ranks() for c in extra_callbacks or [] if hasattr(c, "for_ranks")]
     rank_args = (tracker.uri, tracker.experiment, progress.prefix, progress.clock, for_ranks, *args)
-    flag = checkpoints / STOP_FILE
-    flag.unlink(missing_ok=True)  # an earlier attempt's
     request = next((c.request for c in extra_callbacks or [] if isinstance(c, StopOnRequest)), None)
-
-    def watch() -> None:  # the sweep's signal, passed on to the ranks
-        raise_flag(request, flag)
-
-    try:
-        if t.num_nodes > 1:  # this machine's ranks; the job's other nodes start theirs
-            result = leader_for(t.num_nodes).train(_rank, t.devices, *rank_args, watch=watch)
-        else:
-            result = spawn_ranks(_rank, t.devices, *rank_args, abort=watch)
-    finally:
-        flag.unlink(missing_ok=True)
+    result = ranks.launch(_rank, t.devices, *rank_args, nodes=t.num_nodes, stop=request, folder=checkpoints)
     if isinstance(result, RANK_STOPS):  # every rank stopped at one step
         raise result
     return result
@@ -111,20 +100,21 @@ def train_cell(
 def _rank(
     uri: str, experiment: str, prefix: str, clock: SweepClock, for_ranks: list[pl.Callback], *args: Any
 ) -> dict[str, float] | Diverged | Interrupted | optuna.TrialPruned:
-    """One rank of a multi-process cell (:func:`train_cell`): rank 0 tracks, the others only
-    train; a divergence, a stop on the sweep's signal or a pruned trial comes back as a value,
-    which the sweep's process raises."""
-    checkpoints = args[4]  # spawn_ranks has the rank ignore the signals: the sweep's process decides
-    stop = [StopOnRequest(StopFlag(checkpoints / STOP_FILE), checkpoints), *for_ranks]
+    """One rank of a multi-process cell (:func:`train_on_ranks`): rank 0 tracks, the others only
+    train; a divergence, a stop on a signal or a pruned trial comes back as a value, which the
+    worker raises."""
+    request = ranks.rank_stop()
+    assert request is not None, "_rank runs in sweep.run.ranks.main"
+    stop = [StopOnRequest(request, args[4]), *for_ranks]
     try:
         if int(os.environ["RANK"]) == 0:
-            return _train(Tracker(uri, experiment), ProgressPrinter(prefix, clock), stop, *args)
-        return _train(None, None, stop, *args)
+            return train_tracked(Tracker(uri, experiment), ProgressPrinter(prefix, clock), stop, *args)
+        return train_tracked(None, None, stop, *args)
     except RANK_STOPS as err:
         return err
 
 
-def _train(
+def train_tracked(
     tracker: Tracker | None,
     progress: ProgressPrinter | None,
     extra_callbacks: list[pl.Callback],
@@ -137,7 +127,7 @@ def _train(
     replayed: dict[str, int] | None,
     start_weights: Path | None,
 ) -> dict[str, float]:
-    """:func:`train_cell` in this process; with ``tracker`` None (a rank other than 0), nothing
+    """:func:`train_on_ranks` in this process; with ``tracker`` None (a rank other than 0), nothing
     is recorded, but every collective step (fit, validation, weights, probes) is taken."""
     if tracker is None:
         run = Training(cell.config, cache_root, callbacks=extra_callbacks, checkpoints=checkpoints)
@@ -196,3 +186,40 @@ def _train(
             tracker.log_files(run_id, probes.save(Path(tmp)), "probes")
         final.update(probes.summary)
         return final
+
+
+class StopOnRequest(pl.Callback):
+    """Before each training step: if ``request`` holds a signal, save the full training state to
+    ``folder/step<N>.ckpt`` and raise :class:`Interrupted`. Under DDP every rank stops at the
+    same step (any rank's signal stops all: the others would wait in the step's all-reduce).
+
+    Args:
+        request: the process's :class:`StopRequest`.
+        folder: the cell's checkpoint folder.
+    """
+
+    def __init__(self, request: StopRequest, folder: Path) -> None:
+        self.request, self.folder = request, folder
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.request.reclaim()
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.request.reclaim()  # the final trainer.validate() registers Lightning's handler again
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int
+    ) -> None:
+        # At a step's start, as PeriodicCheckpoint: the step before has logged everything. Not
+        # between a step's micro-batches: their gradients would be lost, the resume misaligned.
+        if batch_idx % trainer.accumulate_grad_batches:
+            return
+        signum = self.request.signum or 0
+        if trainer.world_size > 1:  # an all-reduce of one number a step: the signal any rank saw
+            seen = torch.tensor(signum, device=trainer.strategy.root_device)
+            signum = int(trainer.strategy.reduce(seen, reduce_op="max"))
+        if not signum:
+            return
+        path = self.folder / step_checkpoint_name(trainer.global_step)
+        save_at_step_start(trainer, path)
+        raise Interrupted(signum, trainer.global_step, path)

@@ -3,17 +3,27 @@ whether an unfinished run may resume with the placement a cell has now."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from experiments.config import TrainConfig
 from sweep.grid import Cell, Grid
 from sweep.gridfile import GridError
 
+#: The machines of a queue worker's cluster job, set by the cluster launcher (1 when unset).
+NODES_ENV = "GATED_ATTN_NODES"
+
+
+def job_nodes() -> int:
+    """How many machines this worker's job holds (:data:`NODES_ENV`; 1 outside a cluster job)."""
+    return int(os.environ.get(NODES_ENV, "1"))
+
 
 def check_runnable(grid: Grid, cells: list[Cell], nodes: int | None = 1) -> None:
     """The cells' machines against what trains them: a cell of ``train.num_nodes`` > 1 needs a
-    worker that leads a job of that many nodes (:mod:`sweep.run.nodes`); ``nodes`` is how many
-    this process's worker has (1: one machine), or None for a driver that submits cluster jobs
+    worker in a cluster job of that many nodes (its ranks start there with ``srun torchrun``,
+    :mod:`sweep.run.ranks`); ``nodes`` is how many this process's job has (1: one machine, see
+    :func:`job_nodes`), or None for a driver that submits cluster jobs
     (it sizes them from the cells, so they must all agree). FSDP is refused: it is configured for
     the ``paper`` scales but has never trained here (no GPU); DDP trains on any number of devices.
 

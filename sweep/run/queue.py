@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -41,14 +40,13 @@ from pathlib import Path
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from experiments.distributed import die_with_parent
 from experiments.names import Outcome
 from sweep.grid import Cell, Grid
-from sweep.run.interrupt import StopRequest
-from sweep.run.nodes import leading
+from sweep.run.placement import job_nodes
 from sweep.run.progress import SweepClock
 from sweep.run.resume import Heartbeat, worker_name
 from sweep.run.runner import CellResult, SweepContext, prepare_sweep, run_cell
+from sweep.signals import StopRequest, child_preexec, wait_forwarding
 from sweep.store_urls import STORAGE_ENV, hide_password
 from sweep.studies import make_storage
 
@@ -188,52 +186,48 @@ def run_worker(
 ) -> list[CellResult]:
     """Pop and train cells of ``cells`` until the queue has none WAITING or RUNNING, or a signal
     arrives. Returns the outcomes of the cells this worker took."""
-    # In a job of several nodes its cells of that many nodes train on all; the store opens before
-    # the corpus is built, so the followers find it at once, however long that takes.
-    with leading() as leader:
-        nodes = leader.group.num_nodes if leader else 1
-        ctx = prepare_sweep(grid, cells, results_dir, cache_root, stop, out, heartbeat_s, nodes)
-        queue = open_queue(cells[0].scale, url, heartbeat_s)
-        stop.arm()
-        by_key: dict[str, Cell] = {}  # the first cell of each config, as the driver enqueued it
-        for cell in cells:
-            by_key.setdefault(cell.run_key, cell)
-        parents = {c.run_key: c.parent.run_key for c in cells if c.parent is not None}
-        clock = SweepClock(len(by_key))
-        me = worker_name()
-        outcomes: list[CellResult] = []
-        while stop.signum is None:
-            optuna.storages.fail_stale_trials(queue.study)  # a dead worker's cell goes back as WAITING
-            trial = pop_cell(queue, set(by_key), parents)
-            if trial is None:
-                if not any(t.user_attrs.get("run_key") in by_key for t in queue.in_flight()):
-                    break
-                time.sleep(poll_s)
-                continue
-            cell = by_key[trial.user_attrs["run_key"]]
-            prefix = f"[{me}] {cell.row.id} s{cell.seed}"
-            states = [t.state for t in queue.in_flight() if t.user_attrs.get("run_key") in by_key]
-            clock.waiting = states.count(TrialState.WAITING)
-            clock.parallel = max(1, states.count(TrialState.RUNNING))
-            if stop.signum is not None:  # the signal came while popping: give the cell back
-                record(queue, trial, Outcome.NOT_STARTED, "the worker was interrupted")
+    ctx = prepare_sweep(grid, cells, results_dir, cache_root, stop, out, heartbeat_s, job_nodes())
+    queue = open_queue(cells[0].scale, url, heartbeat_s)
+    stop.arm()
+    by_key: dict[str, Cell] = {}  # the first cell of each config, as the driver enqueued it
+    for cell in cells:
+        by_key.setdefault(cell.run_key, cell)
+    parents = {c.run_key: c.parent.run_key for c in cells if c.parent is not None}
+    clock = SweepClock(len(by_key))
+    me = worker_name()
+    outcomes: list[CellResult] = []
+    while stop.signum is None:
+        optuna.storages.fail_stale_trials(queue.study)  # a dead worker's cell goes back as WAITING
+        trial = pop_cell(queue, set(by_key), parents)
+        if trial is None:
+            if not any(t.user_attrs.get("run_key") in by_key for t in queue.in_flight()):
                 break
-            twin = older_twin(queue, trial)
-            if twin is not None:
-                record(queue, trial, Outcome.DUPLICATE, f"trial {twin.number} has this cell")
-                continue
-            beat = functools.partial(queue.storage.record_heartbeat, queue.trial_id(trial))
-            with Heartbeat(beat, heartbeat_s, f"trial {trial.number}"):
-                outcome = run_cell(cell, ctx, prefix, clock, force=bool(trial.user_attrs.get("force")))
-            if not record(queue, trial, outcome.status, outcome.note, outcome.avg_ppl):
-                out(f"{prefix}: trial {trial.number} was taken over after its heartbeat lapsed")
-            if outcome.status == Outcome.BUSY:  # requeued: look again a heartbeat later, not at once
-                until = time.monotonic() + heartbeat_s
-                while stop.signum is None and time.monotonic() < until:
-                    time.sleep(min(poll_s, heartbeat_s))
-                continue
-            outcomes.append(outcome)
-        return outcomes
+            time.sleep(poll_s)
+            continue
+        cell = by_key[trial.user_attrs["run_key"]]
+        prefix = f"[{me}] {cell.row.id} s{cell.seed}"
+        states = [t.state for t in queue.in_flight() if t.user_attrs.get("run_key") in by_key]
+        clock.waiting = states.count(TrialState.WAITING)
+        clock.parallel = max(1, states.count(TrialState.RUNNING))
+        if stop.signum is not None:  # the signal came while popping: give the cell back
+            record(queue, trial, Outcome.NOT_STARTED, "the worker was interrupted")
+            break
+        twin = older_twin(queue, trial)
+        if twin is not None:
+            record(queue, trial, Outcome.DUPLICATE, f"trial {twin.number} has this cell")
+            continue
+        beat = functools.partial(queue.storage.record_heartbeat, queue.trial_id(trial))
+        with Heartbeat(beat, heartbeat_s, f"trial {trial.number}"):
+            outcome = run_cell(cell, ctx, prefix, clock, force=bool(trial.user_attrs.get("force")))
+        if not record(queue, trial, outcome.status, outcome.note, outcome.avg_ppl):
+            out(f"{prefix}: trial {trial.number} was taken over after its heartbeat lapsed")
+        if outcome.status == Outcome.BUSY:  # requeued: look again a heartbeat later, not at once
+            until = time.monotonic() + heartbeat_s
+            while stop.signum is None and time.monotonic() < until:
+                time.sleep(min(poll_s, heartbeat_s))
+            continue
+        outcomes.append(outcome)
+    return outcomes
 
 
 def run_queued_sweep(
@@ -284,19 +278,9 @@ def start_processes(
     SIGTERM through the kernel (``PR_SET_PDEATHSIG``): each saves its cell and leaves, none trains
     on orphaned. Returns their names (``host:pid``)."""
     env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}  # progress lines as they come, into a log file too
-    driver = os.getpid()
-    procs = [
-        subprocess.Popen(command, env=env, preexec_fn=lambda: die_with_parent(driver, signal.SIGTERM))
-        for _ in range(count)
-    ]
-    forwarded = False
-    while any(p.poll() is None for p in procs):
-        if stop.signum is not None and not forwarded:
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-            forwarded = True
-        time.sleep(0.2)
+    preexec = child_preexec(os.getpid())
+    procs = [subprocess.Popen(command, env=env, preexec_fn=preexec) for _ in range(count)]
+    wait_forwarding(procs, stop)
     for i, p in enumerate(procs):
         if p.returncode not in (0, 1, 130, 143):
             out(f"worker {i} (pid {p.pid}) exited with status {p.returncode}")

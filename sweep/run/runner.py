@@ -17,12 +17,11 @@ from experiments.corpus import build_corpus
 from experiments.names import Outcome, Status
 from experiments.stability import Diverged
 from sweep.grid import Cell, Grid
-from sweep.run.cell import checkpoint_dir, train_cell
+from sweep.run.cell import StopOnRequest, checkpoint_dir, train_on_ranks
 from sweep.run.corpora import check_fits, check_sources
-from sweep.run.interrupt import Interrupted, StopOnRequest, StopRequest
 from sweep.run.placement import check_runnable, placement_change
 from sweep.run.progress import ProgressPrinter, SweepClock
-from sweep.run.quiet import CELL_THREADS, pin_threads, quiet_lightning  # noqa: F401 (re-exported)
+from sweep.run.quiet import pin_threads, quiet_lightning
 from sweep.run.resume import (
     HEARTBEAT_TAG,
     STALE_BEATS,
@@ -33,8 +32,10 @@ from sweep.run.resume import (
 )
 from sweep.run.stages import Stage, parent_stage
 from sweep.run.sysmetrics import system_metrics
+from sweep.signals import Interrupted, StopRequest
 from sweep.sqlite_lock import claim_lock
-from sweep.store import Tracker, TrackingError, check_reachable, experiment_name, tracking_uri
+from sweep.store import Tracker, experiment_name
+from sweep.store_urls import TrackingError, check_reachable, tracking_uri
 from sweep.studies import HEARTBEAT_S
 
 
@@ -224,7 +225,7 @@ def run_cell(
 
     with Heartbeat(beat, ctx.heartbeat_s, f"run {run_id}"), system_metrics(tracker.uri, run_id):
         try:
-            return train_and_record(cell, ctx, prefix, clock, claim)
+            return train_claimed(cell, ctx, prefix, clock, claim)
         except MlflowException as err:  # recording failed: the run or the store is gone
             tracker.check_store()
             if not tracker.is_deleted(run_id):
@@ -236,9 +237,7 @@ def run_cell(
             return CellResult(cell, Outcome.FAILED, time.perf_counter() - started, note=note)
 
 
-def train_and_record(
-    cell: Cell, ctx: SweepContext, prefix: str, clock: SweepClock, claim: Claim
-) -> CellResult:
+def train_claimed(cell: Cell, ctx: SweepContext, prefix: str, clock: SweepClock, claim: Claim) -> CellResult:
     """Train the claimed run and record how it ended (see :func:`run_cell`)."""
     tracker, out, run_id, checkpoints = ctx.tracker, ctx.out, claim.run_id, claim.checkpoints
     earlier = [r for r in tracker.runs_for(cell.run_key) if r.info.run_id != run_id]
@@ -249,7 +248,7 @@ def train_and_record(
         return CellResult(cell, status, time.perf_counter() - started, note=note)
 
     try:
-        final = train_cell(
+        final = train_on_ranks(
             cell,
             tracker,
             run_id,

@@ -12,8 +12,8 @@ from optuna.trial import TrialState
 from experiments.corpus import build_corpus
 from sweep.grid import Cell, Grid
 from sweep.run.corpora import check_fits, check_sources
-from sweep.run.interrupt import StopRequest
 from sweep.run.tune import tune_row
+from sweep.signals import StopRequest
 from sweep.studies import trial_outcome
 
 

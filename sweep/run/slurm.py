@@ -33,11 +33,11 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from experiments.distributed import die_with_parent
-from sweep.run.nodes import NODES_ENV, NodeGroup, follow, store_port
+from sweep.run.placement import NODES_ENV
+from sweep.signals import child_preexec, die_with_parent, wait_forwarding
 
 if TYPE_CHECKING:  # lightning loads with it; the CLI's parser imports this module
-    from sweep.run.interrupt import StopRequest
+    from sweep.signals import StopRequest
 
 #: ``--launcher``: local processes, SLURM jobs, or the SLURM path run by submitit on this machine.
 LAUNCHERS = ("local", "slurm", "submitit-local")
@@ -63,7 +63,7 @@ class ClusterSettings:
     cpus_per_worker: int = 8  # CPUS_PER_WORKER: data loading, the corpus build, the probes
     time_limit_min: int = 240  # TIME_LIMIT, minutes per job (a requeued job starts a new one)
     max_timeouts: int = 3  # requeues after a time limit before a job is left ended
-    nodes: int = 1  # machines per job: the cells' train.num_nodes (sweep.run.nodes)
+    nodes: int = 1  # machines per job: the cells' train.num_nodes (their ranks: srun torchrun)
     extra: dict[str, Any] = field(default_factory=dict)  # more submitit parameters (tests)
 
 
@@ -90,9 +90,9 @@ def make_executor(settings: ClusterSettings) -> Any:
         "name": "gated-attn-worker",
         "timeout_min": settings.time_limit_min,
         "cpus_per_task": settings.cpus_per_worker,
-        # One task per node, each starting its GPUs' ranks. submitit's LocalExecutor has one
-        # node: there the tasks stand for the nodes, on this machine.
-        "tasks_per_node": settings.nodes if cluster == "local" else 1,
+        # One task per node; task 0's worker starts each cell's ranks on every node (srun
+        # torchrun). submitit's LocalExecutor has one node: the worker starts the "nodes" here.
+        "tasks_per_node": 1,
         "nodes": 1 if cluster == "local" else settings.nodes,
         "slurm_additional_parameters": {"requeue": True},
     }
@@ -104,29 +104,11 @@ def make_executor(settings: ClusterSettings) -> Any:
     return executor
 
 
-def job_nodes() -> tuple[NodeGroup | None, int]:
-    """This task's job as a group of nodes (None for a job of one task) and this task's index
-    (its node: one task per node; on submitit's LocalExecutor the tasks stand for nodes)."""
+def _task_index() -> int:
+    """This task's index in its submitit job (0 for a job of one task)."""
     import submitit
 
-    job = submitit.JobEnvironment()
-    if job.num_tasks == 1:
-        return None, 0
-    addr = job.hostnames[0] if job.num_nodes > 1 else "127.0.0.1"
-    return NodeGroup(job.num_tasks, addr, store_port(job.job_id)), job.global_rank
-
-
-def _worker_preexec(job: int) -> Callable[[], None]:
-    """In the worker, before it starts: SLURM may send submitit's SIGUSR2 to every process of the
-    job, and its default action would kill the worker unsaved, so it is ignored (the job stops the
-    worker with SIGTERM instead); and a SIGTERM comes when the job's process ``job`` dies, so the
-    worker saves its cell and leaves instead of training on orphaned."""
-
-    def preexec() -> None:
-        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-        die_with_parent(job, signal.SIGTERM)
-
-    return preexec
+    return submitit.JobEnvironment().global_rank
 
 
 @dataclass
@@ -146,16 +128,10 @@ class WorkerJob:
         # submitit-local's pre-emption signal (SIGUSR2) to the job id kills the job's controller,
         # our parent, and nothing else: hear of it as a SIGTERM, which stops the worker saved.
         die_with_parent(os.getppid(), signal.SIGTERM)
-        group, node_rank = job_nodes()
-        if group is not None and node_rank > 0:  # the ranks start here: the worker's place and env
-            os.chdir(self.cwd)
-            os.environ.update(self.env)
-            return follow(group, node_rank)
+        if _task_index() > 0:  # a job of several nodes: task 0's worker runs their ranks (srun)
+            return 0
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
-        if group is not None:
-            env[NODES_ENV] = group.to_env()
-        preexec = _worker_preexec(os.getpid())
-        _worker = subprocess.Popen(self.command, cwd=self.cwd, env=env, preexec_fn=preexec)
+        _worker = subprocess.Popen(self.command, cwd=self.cwd, env=env, preexec_fn=child_preexec(os.getpid()))
         previous = {sig: signal.signal(sig, self._stop) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             code = _wait_for_worker()
@@ -183,12 +159,10 @@ class WorkerJob:
 
 
 def _wait_for_worker() -> int:
-    """The worker's exit status (0 when none was started yet), polling: ``Popen.wait`` holds a
-    lock a signal handler's wait would then wait on for ever (the handler runs in the same thread)."""
+    """The worker's exit status (0 when none was started yet)."""
     if _worker is None:
         return 0
-    while _worker.poll() is None:
-        time.sleep(POLL_S)
+    wait_forwarding([_worker], None, POLL_S)
     return _worker.returncode
 
 
@@ -216,6 +190,7 @@ class SubmititLauncher:
         its cell). Returns None: the workers' names (host:pid) are the cluster's, so every outcome
         in the queue counts for this sweep."""
         carried = {**{k: os.environ[k] for k in CARRIED_ENV if k in os.environ}, **env}
+        carried[NODES_ENV] = str(self.settings.nodes)
         job = WorkerJob(command, os.getcwd(), carried)
         self.jobs = [self.executor.submit(job) for _ in range(count)]
         ids = ", ".join(str(j.job_id) for j in self.jobs)

@@ -40,14 +40,14 @@ from experiments.checkpointing import drop_step_checkpoints
 from experiments.names import Kind, Status, TrialOutcome
 from experiments.stability import Diverged
 from sweep.grid import Cell, Grid, Row, run_key
-from sweep.run.cell import checkpoint_dir, train_cell
-from sweep.run.interrupt import Interrupted, StopOnRequest, StopRequest
+from sweep.run.cell import StopOnRequest, checkpoint_dir, train_on_ranks
 from sweep.run.ladder import COUNTED, enqueue_rungs, unvisited
 from sweep.run.progress import ProgressPrinter, SweepClock
-from sweep.run.runner import pin_threads, quiet_lightning
+from sweep.run.quiet import pin_threads, quiet_lightning
 from sweep.run.sysmetrics import system_metrics
-from sweep.store import Tracker, tracking_uri
-from sweep.store_urls import hide_password
+from sweep.signals import Interrupted, StopRequest
+from sweep.store import Tracker
+from sweep.store_urls import hide_password, tracking_uri
 from sweep.studies import (
     DIVERGED_ATTR,
     ROW_KEY_ATTR,
@@ -93,7 +93,7 @@ class StepPruningCallback(pl.Callback):
         return step < trainer.max_steps and self.trial.should_prune()  # a finished run is kept
 
     def for_ranks(self) -> RankPruningCallback:
-        """This callback for the ranks of a multi-process trial (``sweep.run.cell.train_cell``
+        """This callback for the ranks of a multi-process trial (``sweep.run.cell.train_on_ranks``
         passes it on), reaching the study through its RDB storage URL (``storage``).
 
         Raises:
@@ -252,7 +252,7 @@ def tune_row(
         checkpoints = checkpoint_dir(results_dir, tracker.experiment, child)
         try:
             with system_metrics(tracker.uri, child):  # the trial's run, as a cell's
-                final = train_cell(
+                final = train_on_ranks(
                     cell,
                     tracker,
                     child,

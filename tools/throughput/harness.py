@@ -1,5 +1,5 @@
 """The harness's training loop (Lightning, the MLflow logger, the sweep's callbacks) against the
-bare loop of :mod:`sweep.throughput.bare` on the same model, alternately, one process."""
+bare loop of :mod:`tools.throughput.bare` on the same model, alternately, one process."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ from mlflow import MlflowClient
 
 from experiments.config import RunConfig
 from experiments.train import Training
-from sweep.run.interrupt import StopOnRequest, StopRequest
+from sweep.run.cell import StopOnRequest
 from sweep.run.progress import ProgressPrinter, SweepClock
+from sweep.run.quiet import quiet_lightning
 from sweep.run.resume import FlushBeforeCheckpoint, ResumingMLFlowLogger
-from sweep.run.runner import quiet_lightning
+from sweep.signals import StopRequest
 from sweep.store import user_tracking_env
-from sweep.throughput.bare import setup, step, sync
+from tools.throughput.bare import setup, step, sync
 
 
 class StepClock(pl.Callback):

@@ -16,13 +16,14 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from sweep.run.ranks import free_port
 
 #: The database user the throwaway cluster is created with (trust authentication on 127.0.0.1).
 DB_USER = "gated"
@@ -53,13 +54,6 @@ def missing() -> str | None:
     except ImportError:
         return 'no psycopg (pip install -e ".[postgres]")'
     return None
-
-
-def free_port() -> int:
-    """A TCP port of 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _as_server_user() -> list[str]:

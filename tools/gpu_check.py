@@ -37,7 +37,7 @@ from experiments.model import GatedLM
 from experiments.moe import MoEFFN
 from experiments.probes import run_probes
 from sweep.grid import load_grid
-from sweep.throughput.bare import setup, step, sync
+from tools.throughput.bare import setup, step, sync
 
 #: Dense bf16 peak TFLOP/s by device-name fragment (vendor data sheets, SXM parts).
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.1, "A10G": 70.0, "4090": 165.2}

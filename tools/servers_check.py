@@ -2,7 +2,7 @@
 
 1. Trains a small grid (three cells) in one process with the default SQLite stores: the reference.
 2. Starts a PostgreSQL cluster (Debian's package) and an MLflow tracking server backed by it on
-   127.0.0.1 (:mod:`sweep.servers`), with databases ``mlflow`` and ``optuna``.
+   127.0.0.1 (:mod:`tools.servers`), with databases ``mlflow`` and ``optuna``.
 3. Runs the recipe's command on two "machines" at once, each in its own results folder, with
    ``MLFLOW_TRACKING_URI`` set to the server and ``--storage`` to the Optuna database:
    ``python -m sweep.cli sweep --grid G --scale tiny --workers 1 --storage postgresql+psycopg://...``
@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
-from sweep.servers import ServerError, missing, mlflow_server, postgres
+from tools.servers import ServerError, missing, mlflow_server, postgres
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 240  # long enough that a worker is killed mid-cell after its first checkpoint
@@ -261,8 +261,8 @@ def run_check(work: Path, out: Callable[[str], None] = print) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m sweep.servers_check [--keep]``; see the module docstring."""
-    parser = argparse.ArgumentParser(prog="python -m sweep.servers_check", description=__doc__.split("\n")[0])
+    """``python -m tools.servers_check [--keep]``; see the module docstring."""
+    parser = argparse.ArgumentParser(prog="python -m tools.servers_check", description=__doc__.split("\n")[0])
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder (logs, stores)")
     args = parser.parse_args(argv)
     why = missing()

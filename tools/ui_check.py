@@ -16,7 +16,6 @@ import argparse
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -25,16 +24,12 @@ from pathlib import Path
 
 from experiments.names import VAL_PPL_AVG, Kind
 from sweep.grid import load_grid
-from sweep.store import Tracker, experiment_name, tracking_uri
+from sweep.run.ranks import free_port
+from sweep.store import Tracker, experiment_name
+from sweep.store_urls import tracking_uri
 from sweep.ui_view import runs_url
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_for(url: str, timeout_s: float = 120.0) -> None:
@@ -70,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     if not runs:
         print(f"error: experiment {tracker.experiment} has no cell run; make sweep first", file=sys.stderr)
         return 2
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1"]

@@ -1,4 +1,4 @@
-"""``python -m sweep.throughput`` (``make throughput``): tokens/s of each row in a bare loop, the
+"""``python -m tools.throughput`` (``make throughput``): tokens/s of each row in a bare loop, the
 harness against that loop, and one step's breakdown; every figure measured in this process with the
 variants interleaved, printed as a median with its spread (min-max over rounds)."""
 
@@ -12,10 +12,10 @@ import torch
 
 from sweep.grid import load_grid
 from sweep.gridfile import GridError
-from sweep.run.runner import CELL_THREADS
-from sweep.throughput.bare import TWIN, configs, measure
-from sweep.throughput.breakdown import breakdown
-from sweep.throughput.harness import harness_vs_bare
+from sweep.run.quiet import CELL_THREADS
+from tools.throughput.bare import TWIN, configs, measure
+from tools.throughput.breakdown import breakdown
+from tools.throughput.harness import harness_vs_bare
 
 
 def _spread(values: list[float], fmt: str = "{:.2f}") -> str:

@@ -14,7 +14,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric
 
 from experiments.config import RunConfig
-from sweep.throughput.bare import device, setup, step, sync
+from tools.throughput.bare import device, setup, step, sync
 
 
 def _seconds(fn: Callable[[], object], repeats: int) -> float:
