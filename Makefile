@@ -6,7 +6,7 @@
 #   ROWS  comma-separated row ids (default: all)
 #   FORCE 1 retrains finished cells
 #   WORKERS  cells trained at once (default auto: one single-threaded worker per CPU core, one on a
-#            GPU machine; >1 goes through the Optuna queue in STORAGE)
+#            GPU machine); every sweep hands its cells out through the Optuna queue in STORAGE
 #   STORAGE  Optuna RDB URL for the sweep's queue and the LR search (default results/optuna.db)
 #   LAUNCHER local (worker processes here) | slurm (one SLURM job per worker, through submitit; needs
 #            WORKERS=N) | submitit-local (the slurm path on this machine); docs/cluster.md

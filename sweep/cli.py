@@ -150,8 +150,10 @@ def _main(argv: list[str] | None) -> int:
             paths = write_tables(grid, args.scale, results, _command_line())  # every seed found
             print(f"table: {paths['md']} (also .csv, .tex)")
             return 1 if failed else 0
-        from sweep.run.runner import run_sweep, summary_line
+        from sweep.run.queue import run_queued_sweep
+        from sweep.run.runner import summary_line
         from sweep.signals import StopRequest
+        from sweep.studies import storage_url
 
         started = time.perf_counter()
         if args.command == "worker":
@@ -161,19 +163,11 @@ def _main(argv: list[str] | None) -> int:
             print(f"note: rows {', '.join(ids)} have one config at {args.scale}: trained once, shown in each")
         with StopRequest() as stop:
             try:
-                if args.workers > 1 or args.storage or args.launcher != "local":
-                    from sweep.run.queue import run_queued_sweep
-                    from sweep.studies import storage_url
-
-                    url = storage_url(results, args.storage)
-                    outcomes = run_queued_sweep(
-                        grid, cells, results, args.workers, url, _worker_args(args, url), args.heartbeat,
-                        args.force, cache, stop, launch=launch,
-                    )  # fmt: skip
-                else:
-                    outcomes = run_sweep(
-                        grid, cells, results, args.force, cache, stop=stop, heartbeat_s=args.heartbeat
-                    )
+                url = storage_url(results, args.storage)
+                outcomes = run_queued_sweep(
+                    grid, cells, results, args.workers, url, _worker_args(args, url), args.heartbeat,
+                    args.force, cache, stop, launch=launch,
+                )  # fmt: skip
             except (KeyboardInterrupt, SystemExit):  # Ctrl-C before training, or twice
                 if stop.signum is None:
                     raise

@@ -49,7 +49,7 @@ def parser(description: str) -> argparse.ArgumentParser:
             s.add_argument(
                 "--workers",
                 default="1",
-                help="worker processes, or auto (one per CPU core, one on a GPU); >1 uses the queue",
+                help="workers (one: in this process), or auto (one per CPU core, one on a GPU)",
             )
             add_launcher_arguments(s)
         if name == "data":

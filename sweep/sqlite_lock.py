@@ -1,16 +1,15 @@
-"""One process at a time sets up a SQLite database (MLflow's and Optuna's schema creation are not
-safe to race), and one sweep at a time claims a cell of a SQLite store.
+"""One process at a time sets up a database (MLflow's and Optuna's schema creation are not safe
+to race).
 
 Two ``make sweep`` started at once on a new results folder both find no tables and both create
 them; the slower one fails ("table spans already exists", "duplicate column name", Alembic's
 "expected to match one row"). :func:`creation_lock` holds an operating-system lock on
 ``<database>.lock`` beside the file while a store is opened for the first time, so the second
-process waits, then finds the schema complete; :func:`claim_lock` does the same for the moment a
-sweep looks at a cell's runs and makes one its own. On a PostgreSQL database (many machines)
+process waits, then finds the schema complete. On a PostgreSQL database (many machines)
 :func:`creation_lock` is a session advisory lock instead: two machines' first ``make sweep`` on a
 new Optuna database would otherwise both create its tables ("duplicate key value violates unique
-constraint", found by ``make servers-check``). Cells need no claim lock there: the work queue
-hands each cell to one worker (docs/resuming.md, "Many workers"). MySQL stores get neither.
+constraint", found by ``make servers-check``). MySQL stores get neither. Cells need no lock: the
+work queue hands each cell to one worker (``sweep.run.queue``).
 """
 
 from __future__ import annotations
@@ -93,19 +92,6 @@ def _advisory_lock(url: str, wait_s: float) -> Iterator[None]:
                 conn.execute(text(f"SELECT pg_advisory_unlock({ADVISORY_KEY})"))
     finally:
         engine.dispose()
-
-
-@contextlib.contextmanager
-def claim_lock(url: str, wait_s: float = WAIT_S) -> Iterator[None]:
-    """Hold ``<database>.claim.lock`` while inside, for a SQLite ``url``; do nothing for any other
-    URL. A sweep holds it while it decides what a cell needs and makes its run its own, so two
-    sweeps on one machine never both claim a cell (the second then sees the first's live run).
-
-    Raises:
-        LockTimeout: the lock stayed held for ``wait_s`` seconds.
-    """
-    with _file_lock(url, ".claim.lock", wait_s):
-        yield
 
 
 @contextlib.contextmanager

@@ -43,7 +43,7 @@ def test_three_workers_train_every_cell_exactly_once(
     args = ["sweep", "--grid", str(grid), "--results", str(results), "--seeds", "3", "--workers", "3"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "9 queued for 3 workers" in out
+    assert "9 cells, 9 to train, 0 finished earlier" in out and "for 3 workers" in out
     assert "finished 9, resumed 0, skipped 0, diverged 0, failed 0" in out
 
     runs = all_cell_runs(results)
@@ -219,7 +219,7 @@ def test_a_cell_whose_worker_died_reads_failed_but_still_in_the_queue(
     q = queued(tmp_path, MICRO, "baseline")
     wanted = enqueue_cells(q.queue, q.cells, q.ctx, force=False)
     pop_cell(q.queue, set(wanted))  # taken, never recorded: its worker got SIGKILL
-    (cell,) = queue_outcomes(q.queue, q.cells, wanted, q.ctx, own={"here:1"})
+    (cell,) = queue_outcomes(q.queue, q.cells, wanted, q.ctx, own={worker_name()})  # the popper: ours
     assert cell.status == "failed" and cell.note.startswith("still in the queue")
 
 

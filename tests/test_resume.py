@@ -71,7 +71,7 @@ def test_sigkill_mid_cell_resumes_in_the_same_run(
     use_repo_cache(monkeypatch)
     assert main(sweep_args(uninterrupted["grid"], results)) == 0
     out = capsys.readouterr().out
-    assert f"resuming run {dead.info.run_id} (running) from step" in out
+    assert f"resuming run {dead.info.run_id} (running) from step" in out, out
     assert "finished 0, resumed 1, skipped 0" in out
 
     (run,) = cell_runs(results)  # no second run for the cell, not even a deleted one

@@ -1,4 +1,6 @@
-"""Several workers on one grid, on one machine or many: Optuna's RDB storage as the work queue.
+"""Every sweep's cells go through one work queue, Optuna's RDB storage: one worker or many, on one
+machine or many. The queue is the one liveness rule: a cell is alive while its worker's heartbeat
+is.
 
 ``make sweep WORKERS=N`` (``python -m sweep.cli sweep --workers N``) is the driver:
 
@@ -8,16 +10,17 @@
    scale), each cell that has no result yet (every cell with ``--force``) and no WAITING or
    RUNNING trial already. The cell is named by the trial's user attributes (``run_key``, ``row``,
    ``seed``, ``force``).
-3. It starts N worker processes (``python -m sweep.cli worker``) and waits for them, then
-   summarises and writes the tables.
+3. It starts N worker processes (``python -m sweep.cli worker``) and waits for them (one worker
+   runs in the driver's own process), then summarises and writes the tables.
 
 A worker pops WAITING trials one at a time with Optuna's own check-and-set
 (``set_trial_state_values(RUNNING)`` succeeds for exactly one process), beats a heartbeat while
-it trains the cell with the sequential sweep's ``run_cell`` (so a cell that died resumes from its
-checkpoint in its own MLflow run), and records the outcome on the trial. A worker that dies stops
-beating; after three heartbeats the next worker that looks fails its trial and Optuna's
-``RetryHeartbeatStaleTrialCallback`` enqueues a copy, which another worker takes over. Workers
-leave when nothing is WAITING or RUNNING.
+it trains the cell with ``run_cell`` (so a cell that died resumes from its checkpoint in its own
+MLflow run), and records the outcome on the trial. A worker that dies stops beating; after three
+heartbeats the next worker that looks fails its trial and Optuna's
+``RetryHeartbeatStaleTrialCallback`` enqueues a copy, which another worker takes over; a dead
+worker of this machine is found at once (:func:`requeue_dead_here`). Workers leave when nothing
+is WAITING or RUNNING.
 
 Each cell is trained once: a popped trial defers to an older WAITING or RUNNING trial of the same
 cell (two drivers that enqueued it at the same moment), and a cell with a result is skipped. On
@@ -44,7 +47,7 @@ from experiments.names import Outcome
 from sweep.grid import Cell, Grid
 from sweep.run.placement import job_nodes
 from sweep.run.progress import SweepClock
-from sweep.run.resume import Heartbeat, worker_name
+from sweep.run.resume import STARTED_TAG, Heartbeat, owner_tags, process_start, worker_name
 from sweep.run.runner import CellResult, SweepContext, prepare_sweep, run_cell
 from sweep.signals import StopRequest, child_preexec, wait_forwarding
 from sweep.store_urls import STORAGE_ENV, hide_password
@@ -112,10 +115,15 @@ def enqueue_cells(queue: Queue, cells: list[Cell], ctx: SweepContext, force: boo
     return wanted
 
 
-def pop_cell(queue: Queue, known: set[str], parents: dict[str, str] | None = None) -> FrozenTrial | None:
-    """Take one WAITING trial of a cell in ``known`` (set it RUNNING); None when there is none.
-    A later stage (``parents``: its run key -> its parent's) waits while its parent's cell is
-    still queued or training.
+def pop_cell(
+    queue: Queue,
+    known: set[str],
+    parents: dict[str, str] | None = None,
+    passed: set[str] | frozenset = frozenset(),
+) -> FrozenTrial | None:
+    """Take one WAITING trial of a cell in ``known`` and not in ``passed`` (set it RUNNING, its
+    ``worker`` attribute this process); None when there is none. A later stage (``parents``: its
+    run key -> its parent's) waits while its parent's cell is still queued or training.
 
     ``set_trial_state_values(RUNNING)`` returns False for every process but the first, so one
     trial goes to exactly one worker (the same check-and-set as ``Study.ask``). Its first
@@ -124,7 +132,7 @@ def pop_cell(queue: Queue, known: set[str], parents: dict[str, str] | None = Non
     pending = {t.user_attrs.get("run_key") for t in queue.in_flight()} if parents else set()
     for trial in queue.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
         key = trial.user_attrs.get("run_key")
-        if key not in known:  # a cell of another version of the grid
+        if key not in known or key in passed:  # another version of the grid's, or passed over
             continue
         if parents.get(key) in pending:  # its parent stage has not ended yet
             continue
@@ -132,10 +140,31 @@ def pop_cell(queue: Queue, known: set[str], parents: dict[str, str] | None = Non
         try:
             if queue.storage.set_trial_state_values(trial_id, state=TrialState.RUNNING):
                 queue.storage.record_heartbeat(trial_id)
+                queue.storage.set_trial_user_attr(trial_id, "worker", worker_name())
+                queue.storage.set_trial_user_attr(trial_id, STARTED_TAG, owner_tags()[STARTED_TAG])
                 return trial
         except optuna.exceptions.UpdateFinishedTrialError:
             continue
     return None
+
+
+def requeue_dead_here(queue: Queue) -> None:
+    """Put back at once each RUNNING trial whose worker was a process of this machine that is
+    gone (``kill -9``, the OOM killer): its heartbeat would take three beats to lapse. A pid now
+    used by another process counts as gone (the trial's ``worker_started`` differs)."""
+    here = socket.gethostname()
+    for trial in queue.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        host, _, pid = trial.user_attrs.get("worker", "").rpartition(":")
+        if host != here or not pid.isdigit():
+            continue
+        started, recorded = process_start(int(pid)), trial.user_attrs.get(STARTED_TAG)
+        if started is not None and not (recorded and started and abs(started - float(recorded)) > 1.0):
+            continue  # alive
+        try:
+            if queue.storage.set_trial_state_values(queue.trial_id(trial), state=TrialState.FAIL):
+                queue.study.enqueue_trial({}, user_attrs={k: trial.user_attrs[k] for k in CELL_ATTRS})
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue
 
 
 def older_twin(queue: Queue, trial: FrozenTrial) -> FrozenTrial | None:
@@ -184,28 +213,52 @@ def run_worker(
     out: Callable[[str], None] = print,
     poll_s: float = POLL_S,
 ) -> list[CellResult]:
-    """Pop and train cells of ``cells`` until the queue has none WAITING or RUNNING, or a signal
-    arrives. Returns the outcomes of the cells this worker took."""
+    """A worker process (``python -m sweep.cli worker``): prepare, then :func:`drain` the queue.
+    Returns the outcomes of the cells this worker took."""
     ctx = prepare_sweep(grid, cells, results_dir, cache_root, stop, out, heartbeat_s, job_nodes())
     queue = open_queue(cells[0].scale, url, heartbeat_s)
     stop.arm()
+    return drain(queue, cells, ctx, heartbeat_s, poll_s)
+
+
+def drain(
+    queue: Queue,
+    cells: list[Cell],
+    ctx: SweepContext,
+    heartbeat_s: int,
+    poll_s: float = POLL_S,
+    alone: int = 0,
+) -> list[CellResult]:
+    """Pop and train cells of ``cells`` until the queue has none WAITING or RUNNING, or a signal
+    arrives. Returns the outcomes of the cells this worker took.
+
+    ``alone`` (the number of cells the sweep queued) makes this the sweep's one worker, in the
+    sweep's own process (``WORKERS=1``): its lines number the cells ``[i/n]``, a cell another
+    process trains (``busy``) is passed over rather than waited for, and it leaves once nothing
+    is left that it may take (a cell another worker trains is that worker's)."""
+    stop, out = ctx.stop, ctx.out
     by_key: dict[str, Cell] = {}  # the first cell of each config, as the driver enqueued it
     for cell in cells:
         by_key.setdefault(cell.run_key, cell)
     parents = {c.run_key: c.parent.run_key for c in cells if c.parent is not None}
-    clock = SweepClock(len(by_key))
+    clock = SweepClock(alone or len(by_key))
     me = worker_name()
     outcomes: list[CellResult] = []
+    passed: set[str] = set()  # alone: cells found busy
     while stop.signum is None:
         optuna.storages.fail_stale_trials(queue.study)  # a dead worker's cell goes back as WAITING
-        trial = pop_cell(queue, set(by_key), parents)
+        requeue_dead_here(queue)
+        trial = pop_cell(queue, set(by_key), parents, passed)
         if trial is None:
-            if not any(t.user_attrs.get("run_key") in by_key for t in queue.in_flight()):
+            if alone or not any(t.user_attrs.get("run_key") in by_key for t in queue.in_flight()):
                 break
             time.sleep(poll_s)
             continue
         cell = by_key[trial.user_attrs["run_key"]]
         prefix = f"[{me}] {cell.row.id} s{cell.seed}"
+        if alone:
+            n = len(str(alone))
+            prefix = f"[{len(outcomes) + len(passed) + 1:>{n}}/{alone}] {cell.row.id} s{cell.seed}"
         states = [t.state for t in queue.in_flight() if t.user_attrs.get("run_key") in by_key]
         clock.waiting = states.count(TrialState.WAITING)
         clock.parallel = max(1, states.count(TrialState.RUNNING))
@@ -221,6 +274,9 @@ def run_worker(
             outcome = run_cell(cell, ctx, prefix, clock, force=bool(trial.user_attrs.get("force")))
         if not record(queue, trial, outcome.status, outcome.note, outcome.avg_ppl):
             out(f"{prefix}: trial {trial.number} was taken over after its heartbeat lapsed")
+        if outcome.status == Outcome.BUSY and alone:
+            passed.add(cell.run_key)
+            continue
         if outcome.status == Outcome.BUSY:  # requeued: look again a heartbeat later, not at once
             until = time.monotonic() + heartbeat_s
             while stop.signum is None and time.monotonic() < until:
@@ -250,20 +306,26 @@ def run_queued_sweep(
     ``worker_args`` are the ``sweep.cli worker`` arguments that name the same grid, scale, seeds,
     rows, results folder and storage. ``launch`` starts the workers and waits for them
     (:func:`start_processes` by default; :class:`sweep.run.slurm.SubmititLauncher` for cluster
-    jobs). SIGINT and SIGTERM reach the workers, each saves its cell and marks it killed.
+    jobs). One local worker runs in this process (:func:`drain` ``alone``): a worker process would
+    import torch, Lightning, MLflow and Optuna again. SIGINT and SIGTERM reach the workers, each
+    saves its cell and marks it killed.
     """
-    ctx = prepare_sweep(grid, cells, results_dir, cache_root, stop, out, nodes=None if launch else 1)
+    ctx = prepare_sweep(grid, cells, results_dir, cache_root, stop, out, heartbeat_s, None if launch else 1)
     queue = open_queue(cells[0].scale, url, heartbeat_s)
     wanted = enqueue_cells(queue, cells, ctx, force)
     stop.arm()
     unique = len({c.run_key for c in cells})
     out(
-        f"sweep {grid.name} at scale {cells[0].scale}: {len(cells)} cells, {len(wanted)} queued for "
-        f"{workers} workers, {unique - len(wanted)} finished earlier; "
-        f"queue {queue_name(cells[0].scale)} in {hide_password(url)}"
+        f"sweep {grid.name} at scale {cells[0].scale}: {len(cells)} cells, {len(wanted)} to train, "
+        f"{unique - len(wanted)} finished earlier; tracking {ctx.tracker.uri}; "
+        f"queue {queue_name(cells[0].scale)} in {hide_password(url)} for {workers} "
+        f"worker{'s' if workers > 1 else ''}"
     )
-    command = [sys.executable, "-m", "sweep.cli", "worker", *worker_args]  # each pins its threads
     count = workers if wanted and stop.signum is None else 0
+    if count == 1 and launch is None:
+        drain(queue, cells, ctx, heartbeat_s, alone=len(wanted))
+        return queue_outcomes(queue, cells, wanted, ctx, {worker_name()})
+    command = [sys.executable, "-m", "sweep.cli", "worker", *worker_args]  # each pins its threads
     env = {STORAGE_ENV: url}  # not in the command line, which every user of the machine can read
     own = (launch or start_processes)(command, count, stop, out, env) if count else set()
     return queue_outcomes(queue, cells, wanted, ctx, own)
@@ -306,6 +368,11 @@ def queue_outcomes(
             last[key] = t
     queued = set(wanted)
     pending = {t.user_attrs.get("run_key") for t in queue.in_flight()}
+    running = {
+        t.user_attrs.get("run_key"): t.user_attrs.get("worker", "another worker")
+        for t in queue.in_flight()
+        if t.state == TrialState.RUNNING
+    }
     outcomes = []
     for cell in cells:
         if cell.run_key not in queued:
@@ -322,6 +389,8 @@ def queue_outcomes(
             outcomes.append(CellResult(cell, Outcome.SKIPPED, note="finished by another sweep"))
         elif ctx.stop.signum is not None:
             outcomes.append(CellResult(cell, Outcome.NOT_STARTED, note="the sweep was interrupted"))
+        elif own is not None and cell.run_key in running and (worker := running[cell.run_key]) not in own:
+            outcomes.append(CellResult(cell, Outcome.BUSY, note=f"being trained by {worker}"))
         elif cell.run_key in pending:  # this machine's workers died: another's, or a rerun, take it
             note = "still in the queue: another machine's worker or the same command again trains it"
             outcomes.append(CellResult(cell, Outcome.FAILED, note=note))

@@ -33,7 +33,6 @@ from sweep.run.resume import (
 from sweep.run.stages import Stage, parent_stage
 from sweep.run.sysmetrics import system_metrics
 from sweep.signals import Interrupted, StopRequest
-from sweep.sqlite_lock import claim_lock
 from sweep.store import Tracker, experiment_name
 from sweep.store_urls import TrackingError, check_reachable, tracking_uri
 from sweep.studies import HEARTBEAT_S
@@ -194,29 +193,28 @@ def run_cell(
     """
     tracker, out = ctx.tracker, ctx.out
     tracker.ensure_active()
-    with claim_lock(tracker.uri):  # two sweeps on one SQLite store never both claim the cell
-        done, unfinished = tracker.current_state(cell)
-        if done is not None and not force:
-            return CellResult(cell, Outcome.SKIPPED, note=f"{done.data.tags['status']} earlier")
-        if unfinished is not None and (owner := live_owner(unfinished, STALE_BEATS * ctx.heartbeat_s)):
-            out(f"{prefix} skipped: being trained by {owner} (run {unfinished.info.run_id})")
-            return CellResult(cell, Outcome.BUSY, note=f"being trained by {owner}")
-        if unfinished is not None:  # its owner may have ended it between the read and its exit
-            unfinished = tracker.client.get_run(unfinished.info.run_id)
-            if unfinished.info.lifecycle_stage != "active":
-                unfinished = None
-            elif unfinished.data.tags.get("status") in Status.DONE:
-                status = unfinished.data.tags["status"]
-                out(f"{prefix} skipped: {status} by its owner just now (run {unfinished.info.run_id})")
-                return CellResult(cell, Outcome.SKIPPED, note=f"{status} earlier")
-        if unfinished is not None and (moved := placement_change(unfinished, cell)):
-            out(f"{prefix} FAILED: {moved}")
-            return CellResult(cell, Outcome.FAILED, note=moved)
-        stage = parent_stage(cell, tracker, ctx.results_dir) if cell.parent is not None else None
-        if isinstance(stage, str):
-            out(f"{prefix} FAILED: {stage}; it trains once the parent has finished")
-            return CellResult(cell, Outcome.FAILED, note=stage)
-        claim = claim_run(cell, ctx, unfinished, prefix, stage)
+    done, unfinished = tracker.current_state(cell)
+    if done is not None and not force:
+        return CellResult(cell, Outcome.SKIPPED, note=f"{done.data.tags['status']} earlier")
+    if unfinished is not None and (owner := live_owner(unfinished, STALE_BEATS * ctx.heartbeat_s)):
+        out(f"{prefix} skipped: being trained by {owner} (run {unfinished.info.run_id})")
+        return CellResult(cell, Outcome.BUSY, note=f"being trained by {owner}")
+    if unfinished is not None:  # its owner may have ended it between the read and its exit
+        unfinished = tracker.client.get_run(unfinished.info.run_id)
+        if unfinished.info.lifecycle_stage != "active":
+            unfinished = None
+        elif unfinished.data.tags.get("status") in Status.DONE:
+            status = unfinished.data.tags["status"]
+            out(f"{prefix} skipped: {status} by its owner just now (run {unfinished.info.run_id})")
+            return CellResult(cell, Outcome.SKIPPED, note=f"{status} earlier")
+    if unfinished is not None and (moved := placement_change(unfinished, cell)):
+        out(f"{prefix} FAILED: {moved}")
+        return CellResult(cell, Outcome.FAILED, note=moved)
+    stage = parent_stage(cell, tracker, ctx.results_dir) if cell.parent is not None else None
+    if isinstance(stage, str):
+        out(f"{prefix} FAILED: {stage}; it trains once the parent has finished")
+        return CellResult(cell, Outcome.FAILED, note=stage)
+    claim = claim_run(cell, ctx, unfinished, prefix, stage)
     run_id = claim.run_id
     started = time.perf_counter()
 
@@ -302,67 +300,6 @@ def train_claimed(cell: Cell, ctx: SweepContext, prefix: str, clock: SweepClock,
         probes += f", gate score {final[N.GATE_SCORE_MEAN]:.3f}"
     out(f"{prefix} done in {outcome.seconds:.0f} s: Avg PPL {outcome.avg_ppl:.2f} ({domains}); {probes}")
     return outcome
-
-
-def run_sweep(
-    grid: Grid,
-    cells: list[Cell],
-    results_dir: Path,
-    force: bool = False,
-    cache_root: Path | None = None,
-    out: Callable[[str], None] = print,
-    stop: StopRequest | None = None,
-    heartbeat_s: int = HEARTBEAT_S,
-) -> list[CellResult]:
-    """Train every cell that has no result, in order, in this process; never raises for one
-    cell's failure. With an active ``stop`` (see :mod:`sweep.run.interrupt`), Ctrl-C or SIGTERM
-    stops the sweep after saving the current cell's state (``killed``); the cells not reached
-    are ``not started``.
-
-    Args:
-        grid: the parsed grid (for the experiment name and the baseline's parameter count).
-        cells: the cells to consider, from ``grid.cells(...)``.
-        results_dir: holds the default SQLite store, artifacts and checkpoints.
-        force: retrain cells that already finished (their old run is tagged ``superseded``).
-        cache_root: corpus cache (default ``.cache``).
-        out: where progress lines go.
-        stop: the signal catcher the caller entered (none: signals act as usual).
-        heartbeat_s: seconds between a training cell's heartbeats (its run's ``heartbeat`` tag).
-
-    Returns:
-        One :class:`CellResult` per cell, in order; a cell whose config equals an earlier cell's
-        (the same ``run_key``) is trained once, and both report what happened to it.
-
-    Raises:
-        TrackingError, CorpusError: before any run exists (see :func:`prepare_sweep`).
-    """
-    ctx = prepare_sweep(grid, cells, results_dir, cache_root, stop, out, heartbeat_s)
-    ctx.stop.arm()
-    first: dict[str, Cell] = {}  # a cell two rows share (the same run_key) is trained once
-    for cell in cells:
-        first.setdefault(cell.run_key, cell)
-    unique = list(first.values())
-    todo = [c for c in unique if force or ctx.tracker.current_result(c) is None]
-    out(
-        f"sweep {grid.name} at scale {cells[0].scale}: {len(cells)} cells, {len(todo)} to train, "
-        f"{len(unique) - len(todo)} finished earlier; tracking {ctx.tracker.uri}"
-    )
-    outcomes: dict[int, CellResult] = {}
-    clock = SweepClock(len(todo))
-    for i, cell in enumerate(todo, start=1):
-        if ctx.stop.signum is not None:
-            outcomes[id(cell)] = CellResult(cell, Outcome.NOT_STARTED, note="the sweep was interrupted")
-            continue
-        prefix = f"[{i:>{len(str(len(todo)))}}/{len(todo)}] {cell.row.id} s{cell.seed}"
-        outcomes[id(cell)] = run_cell(cell, ctx, prefix, clock, force)
-    for cell in cells:
-        twin = first[cell.run_key]
-        if twin is not cell:  # another row of the same config: what happened to that cell
-            done = outcomes.get(id(twin), CellResult(twin, Outcome.SKIPPED))
-            outcomes[id(cell)] = CellResult(cell, done.status, note=f"the same config as row {twin.row.id}")
-        elif id(cell) not in outcomes:
-            outcomes[id(cell)] = CellResult(cell, Outcome.SKIPPED, note="finished earlier")
-    return [outcomes[id(c)] for c in cells]
 
 
 def summary_line(outcomes: list[CellResult]) -> str:
