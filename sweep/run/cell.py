@@ -1,5 +1,6 @@
 """One cell into one MLflow run: the training recipe (``experiments.train``) with the harness's
-logger, checkpoints and artifacts around it."""
+logger, checkpoints and artifacts around it, in this process or on torchrun's ranks
+(``sweep.run.ranks``), and :class:`StopOnRequest`, the callback that stops it saved on a signal."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """Continuing a cell's MLflow run after a crash: which steps the run already holds, a logger that
-does not log a replayed step twice, and whether a ``running`` run's owner is still alive (the
-rule that keeps a live run from ever being taken over).
+does not log a replayed step twice, and whether a ``running`` run's owner is still alive. The
+work queue (``sweep.run.queue``) hands each cell to one worker and knows which are alive; the
+owner tags answer what it cannot know: whether a worker of another queue (another ``STORAGE`` on
+the same tracking store) trains the run.
 
 The training state itself is saved and found by ``experiments.checkpointing``; a rerun restarts
 ``trainer.fit`` from the newest ``step<N>.ckpt``, in the cell's own MLflow run.

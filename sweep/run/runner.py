@@ -165,7 +165,8 @@ def run_cell(
     cell's own failure.
 
     - A cell with a ``finished`` or ``diverged`` run is skipped (unless ``force``).
-    - A cell whose newest run is ``running`` while its owner provably trains it (see
+    - A cell whose newest run is ``running`` while its owner provably trains it (a worker of
+      another queue: this one hands each cell to one worker; see
       :func:`~sweep.run.resume.live_owner`: the owner's process on this machine, or a fresh
       heartbeat from another) is left alone: outcome ``busy``, nothing of that run touched. Once
       its owner is found dead the run is read again: an owner that finished it and exited between
