@@ -171,7 +171,7 @@ compare: $(STAMP)
 ui: $(STAMP)
 	$(PY) -m sweep.browse ui --grid '$(GRID)' --scale '$(SCALE)' --port $(PORT)
 
-# the fast tier (model, gates, probes, grid, config, tables, the micro sweep end to end): a few minutes
+# the fast tier (model, gates, probes, grid, config, tables, the micro sweep end to end): about 3 min
 test: $(STAMP)
 	$(PY) -m pytest -m "not slow" -q
 
