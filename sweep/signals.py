@@ -47,11 +47,13 @@ PREEMPTION = signal.SIGUSR2
 
 
 class Interrupted(Exception):
-    """Training stopped on a signal at the start of ``step``; the state is saved in ``checkpoint``."""
+    """Training stopped on a signal at the start of ``step``; the state is saved in ``checkpoint``
+    (None: the ranks of a multi-process cell ended before any checkpoint)."""
 
-    def __init__(self, signum: int, step: int, checkpoint: Path) -> None:
+    def __init__(self, signum: int, step: int, checkpoint: Path | None) -> None:
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
-        super().__init__(f"{signal.Signals(signum).name} at step {step}; saved {checkpoint}")
+        saved = f"saved {checkpoint}" if checkpoint else "no checkpoint yet"
+        super().__init__(f"{signal.Signals(signum).name} at step {step}; {saved}")
 
     def __reduce__(self) -> tuple:  # rank 0 reports it to the worker, pickled
         return (Interrupted, (self.signum, self.step, self.checkpoint))

@@ -9,8 +9,9 @@
    (what ``make sweep WORKERS=1 STORAGE=...`` runs; ``--heartbeat 2`` so that a dead worker's cell
    is taken over in seconds, not minutes). Their ``results/checkpoints`` is one shared folder,
    as the recipe asks for a cell to resume on another machine.
-4. Once some worker's cell has a checkpoint, SIGKILLs that worker mid-cell; its machine's driver
-   ends, and the same command is started again on that machine, as a person would.
+4. Once some worker's cell has a checkpoint, SIGKILLs that worker mid-cell (with ``--workers 1``
+   the machine's sweep itself, whose one worker runs in its process); the same command is
+   started again on that machine, as a person would.
 5. Checks, through the server: every cell has exactly one run, finished, whose ``train/loss``
    history equals the reference's (relative 1e-5, each step once); the killed cell's run was
    resumed by another worker; its artifacts went through the server; every cell has one
@@ -196,7 +197,10 @@ def machines_run(
         run_id = first_checkpoint(shared, list(procs.values()))
         victim = MlflowClient(tracking_uri=uri).get_run(run_id).data.tags["worker"]
         pid = int(victim.rsplit(":", 1)[1])
-        owner = next((n for n, p in procs.items() if pid in {c.pid for c in _children(psutil, p.pid)}), None)
+        # WORKERS=1: the worker is the machine's sweep itself; else one of its worker processes
+        owner = next(
+            (n for n, p in procs.items() if pid in {p.pid, *(c.pid for c in _children(psutil, p.pid))}), None
+        )
         if owner is None:
             raise RuntimeError(f"run {run_id}'s worker {victim} is no machine's worker")
         os.kill(pid, signal.SIGKILL)

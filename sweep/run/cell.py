@@ -14,7 +14,12 @@ import optuna
 import torch
 
 from experiments import names as N
-from experiments.checkpointing import FINAL_CHECKPOINT, save_at_step_start, step_checkpoint_name
+from experiments.checkpointing import (
+    FINAL_CHECKPOINT,
+    latest_checkpoint,
+    save_at_step_start,
+    step_checkpoint_name,
+)
 from experiments.stability import Diverged
 from experiments.train import Training
 from sweep.grid import Cell
@@ -92,7 +97,17 @@ def train_on_ranks(
     for_ranks = [c.for_ranks() for c in extra_callbacks or [] if hasattr(c, "for_ranks")]
     rank_args = (tracker.uri, tracker.experiment, progress.prefix, progress.clock, for_ranks, *args)
     request = next((c.request for c in extra_callbacks or [] if isinstance(c, StopOnRequest)), None)
-    result = ranks.launch(_rank, t.devices, *rank_args, nodes=t.num_nodes, stop=request, folder=checkpoints)
+    try:
+        result = ranks.launch(
+            _rank, t.devices, *rank_args, nodes=t.num_nodes, stop=request, folder=checkpoints
+        )
+    except ranks.RanksFailed:
+        if request is None or request.signum is None:
+            raise
+        # torchrun ended the ranks 30 s after the signal, before a step start stopped them (or
+        # a rank's first instant): killed, not failed; it resumes from its last checkpoint
+        kept = latest_checkpoint(checkpoints)
+        raise Interrupted(request.signum, int(kept.stem.removeprefix("step")) if kept else 0, kept) from None
     if isinstance(result, RANK_STOPS):  # every rank stopped at one step
         raise result
     return result

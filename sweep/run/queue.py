@@ -151,7 +151,8 @@ def pop_cell(
 def requeue_dead_here(queue: Queue) -> None:
     """Put back at once each RUNNING trial whose worker was a process of this machine that is
     gone (``kill -9``, the OOM killer): its heartbeat would take three beats to lapse. A pid now
-    used by another process counts as gone (the trial's ``worker_started`` differs)."""
+    used by another process counts as gone (the trial's ``worker_started`` differs). The copy is
+    Optuna's retry, as for a stale heartbeat (at most ``MAX_RETRY`` per cell)."""
     here = socket.gethostname()
     for trial in queue.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         host, _, pid = trial.user_attrs.get("worker", "").rpartition(":")
@@ -160,11 +161,15 @@ def requeue_dead_here(queue: Queue) -> None:
         started, recorded = process_start(int(pid)), trial.user_attrs.get(STARTED_TAG)
         if started is not None and not (recorded and started and abs(started - float(recorded)) > 1.0):
             continue  # alive
+        trial_id = queue.trial_id(trial)
         try:
-            if queue.storage.set_trial_state_values(queue.trial_id(trial), state=TrialState.FAIL):
-                queue.study.enqueue_trial({}, user_attrs={k: trial.user_attrs[k] for k in CELL_ATTRS})
+            if not queue.storage.set_trial_state_values(trial_id, state=TrialState.FAIL):
+                continue
         except optuna.exceptions.UpdateFinishedTrialError:
             continue
+        retry = queue.storage.get_heartbeat_stale_trial_callback()  # as fail_stale_trials: MAX_RETRY
+        if retry is not None:
+            retry(queue.study, queue.storage.get_trial(trial_id))
 
 
 def older_twin(queue: Queue, trial: FrozenTrial) -> FrozenTrial | None:
@@ -233,9 +238,9 @@ def drain(
     arrives. Returns the outcomes of the cells this worker took.
 
     ``alone`` (the number of cells the sweep queued) makes this the sweep's one worker, in the
-    sweep's own process (``WORKERS=1``): its lines number the cells ``[i/n]``, a cell another
-    process trains (``busy``) is passed over rather than waited for, and it leaves once nothing
-    is left that it may take (a cell another worker trains is that worker's)."""
+    sweep's own process (``WORKERS=1``): its lines number the cells ``[i/n]``, and a cell whose
+    run another queue's worker trains (``busy``) is passed over rather than waited for. Like any
+    worker it waits for the cells other workers of this queue train (one of them may die)."""
     stop, out = ctx.stop, ctx.out
     by_key: dict[str, Cell] = {}  # the first cell of each config, as the driver enqueued it
     for cell in cells:
@@ -250,7 +255,8 @@ def drain(
         requeue_dead_here(queue)
         trial = pop_cell(queue, set(by_key), parents, passed)
         if trial is None:
-            if alone or not any(t.user_attrs.get("run_key") in by_key for t in queue.in_flight()):
+            left = {t.user_attrs.get("run_key") for t in queue.in_flight()} & set(by_key)
+            if not left - passed:
                 break
             time.sleep(poll_s)
             continue

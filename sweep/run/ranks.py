@@ -14,9 +14,10 @@ gloo, on CUDA over NCCL (Lightning's choice for the accelerator).
 Rank 0 writes what it returned, or what it raised, beside ``JOB`` (``JOB.out``); :func:`launch`
 returns or raises it in the caller. A rank that raises exits 1, and torchrun ends the others.
 Each rank handles SIGINT and SIGTERM as one process does (``sweep.signals``): it stops at
-the next step's start, saved, which torchrun waits 30 s for (then SIGKILL). A rank killed while
-it starts (a signal in its first second, before its handlers exist) ends the cell ``failed``;
-the next sweep resumes it from its last checkpoint as it would a killed one.
+the next step's start, saved, which torchrun waits 30 s for (then SIGKILL). When the ranks end
+without an outcome after a signal (one in a rank's first instant, or a stop that no step start
+came to within those 30 s: the final validation, the probes), the cell ends ``killed``
+(``sweep.run.cell.train_on_ranks``) and resumes from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -38,8 +40,8 @@ from sweep.signals import PREEMPTION, StopRequest, child_preexec, die_with_paren
 
 #: Threads per rank on CPU: the ranks already share the machine's cores.
 CPU_THREADS_PER_RANK = 1
-#: The environment of a scheduler that Lightning would read the ranks' places from (its
-#: SLURMEnvironment comes before torchrun's): the ranks drop it.
+#: A scheduler's environment, which Lightning could read the ranks' places from (its
+#: SLURMEnvironment) instead of torchrun's: the ranks drop it.
 SCHEDULER_PREFIXES = ("SLURM_",)
 
 _stop: StopRequest | None = None  # this rank's, while :func:`main` runs
@@ -60,6 +62,23 @@ def free_port() -> int:
 def rank_stop() -> StopRequest | None:
     """This rank's :class:`~sweep.signals.StopRequest` (None outside :func:`main`)."""
     return _stop
+
+
+def ranks_left(folder: Path, wait_s: float = 60.0) -> list[int]:
+    """The pids of this machine's processes (torchrun, ranks) still running a job of ``folder``
+    (a cell's checkpoint folder), after waiting up to ``wait_s`` seconds for them to end: a
+    killed worker's torchrun takes up to 30 s to stop its ranks, saved."""
+    import psutil
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = []
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            if any(str(folder) in arg for arg in proc.info["cmdline"] or []):
+                found.append(proc.info["pid"])
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
 
 
 def torchrun_command(
@@ -152,16 +171,18 @@ def main(argv: list[str] | None = None) -> int:
     0 writes its outcome. Exit 0, or 1 when it raised."""
     global _stop
     job = Path((argv if argv is not None else sys.argv[1:])[0])
-    for name in [n for n in os.environ if n.startswith(SCHEDULER_PREFIXES)]:
-        del os.environ[name]
-    import torch
-
-    if not torch.cuda.is_available():
-        torch.set_num_threads(CPU_THREADS_PER_RANK)
-    rank = int(os.environ["RANK"])
+    # First, before torch loads (seconds): the signals, and death with torchrun, which ends its
+    # ranks itself when it can.
     signal.signal(PREEMPTION, signal.SIG_IGN)
-    die_with_parent(os.getppid(), signal.SIGKILL)  # torchrun, which ends its ranks itself when it can
+    die_with_parent(os.getppid(), signal.SIGKILL)
     with StopRequest(rank=True) as _stop:
+        for name in [n for n in os.environ if n.startswith(SCHEDULER_PREFIXES)]:
+            del os.environ[name]
+        import torch
+
+        if not torch.cuda.is_available():
+            torch.set_num_threads(CPU_THREADS_PER_RANK)
+        rank = int(os.environ["RANK"])
         try:
             fn, args = pickle.loads(job.read_bytes())
             outcome, code = (True, fn(*args)), 0

@@ -22,6 +22,7 @@ from sweep.run.corpora import check_fits, check_sources
 from sweep.run.placement import check_runnable, placement_change
 from sweep.run.progress import ProgressPrinter, SweepClock
 from sweep.run.quiet import pin_threads, quiet_lightning
+from sweep.run.ranks import ranks_left
 from sweep.run.resume import (
     HEARTBEAT_TAG,
     STALE_BEATS,
@@ -200,6 +201,14 @@ def run_cell(
     if unfinished is not None and (owner := live_owner(unfinished, STALE_BEATS * ctx.heartbeat_s)):
         out(f"{prefix} skipped: being trained by {owner} (run {unfinished.info.run_id})")
         return CellResult(cell, Outcome.BUSY, note=f"being trained by {owner}")
+    if unfinished is not None:  # its owner's ranks may still be saving (torchrun stops them)
+        folder = checkpoint_dir(
+            ctx.results_dir, tracker.experiment_name_of(unfinished), unfinished.info.run_id
+        )
+        if left := ranks_left(folder):
+            note = f"its dead worker's ranks (pids {', '.join(map(str, left))}) are still running"
+            out(f"{prefix} skipped: {note} (run {unfinished.info.run_id})")
+            return CellResult(cell, Outcome.BUSY, note=note)
     if unfinished is not None:  # its owner may have ended it between the read and its exit
         unfinished = tracker.client.get_run(unfinished.info.run_id)
         if unfinished.info.lifecycle_stage != "active":
@@ -261,7 +270,8 @@ def train_claimed(cell: Cell, ctx: SweepContext, prefix: str, clock: SweepClock,
             start_weights=claim.start_weights,
         )
     except Interrupted as err:
-        tracker.client.set_tag(run_id, "checkpoint", str(err.checkpoint))
+        if err.checkpoint is not None:
+            tracker.client.set_tag(run_id, "checkpoint", str(err.checkpoint))
         tracker.finish(run_id, Status.KILLED, str(err))
         out(f"{prefix} KILLED: {err}; the next sweep resumes it")
         return ended(Outcome.KILLED, str(err))
