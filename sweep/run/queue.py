@@ -1,31 +1,24 @@
-"""Every sweep's cells go through one work queue, Optuna's RDB storage: one worker or many, on one
-machine or many. The queue is the one liveness rule: a cell is alive while its worker's heartbeat
-is.
+"""Every sweep's cells go through one work queue in Optuna's RDB storage, one worker or many, on
+one machine or many: the one liveness rule (a cell is alive while its worker's heartbeat is).
 
-``make sweep WORKERS=N`` (``python -m sweep.cli sweep --workers N``) is the driver:
+``make sweep WORKERS=N`` (``python -m sweep.cli sweep --workers N``) is the driver. It checks the
+tracking store, builds the corpora and creates the MLflow experiment before any worker starts;
+enqueues, as a WAITING trial of the study ``cells-<scale>`` (one queue for every grid of a scale),
+each cell without a result (every cell with ``--force``) and no trial in flight, named by the
+trial's user attributes (``run_key``, ``row``, ``seed``, ``force``); starts N worker processes
+(``python -m sweep.cli worker``; one worker runs in its own process) and waits for them; then
+summarises and writes the tables.
 
-1. It checks the tracking store, builds the corpora and creates the MLflow experiment, before any
-   worker starts (two workers creating one SQLite store at once can fail).
-2. It enqueues, as a WAITING trial of the study ``cells-<scale>`` (one queue for every grid of a
-   scale), each cell that has no result yet (every cell with ``--force``) and no WAITING or
-   RUNNING trial already. The cell is named by the trial's user attributes (``run_key``, ``row``,
-   ``seed``, ``force``).
-3. It starts N worker processes (``python -m sweep.cli worker``) and waits for them (one worker
-   runs in the driver's own process), then summarises and writes the tables.
-
-A worker pops WAITING trials one at a time with Optuna's own check-and-set
+A worker pops WAITING trials one at a time with Optuna's check-and-set
 (``set_trial_state_values(RUNNING)`` succeeds for exactly one process), beats a heartbeat while
-it trains the cell with ``run_cell`` (so a cell that died resumes from its checkpoint in its own
-MLflow run), and records the outcome on the trial. A worker that dies stops beating; after three
-heartbeats the next worker that looks fails its trial and Optuna's
-``RetryHeartbeatStaleTrialCallback`` enqueues a copy, which another worker takes over; a dead
-worker of this machine is found at once (:func:`requeue_dead_here`). Workers leave when nothing
-is WAITING or RUNNING.
-
-Each cell is trained once: a popped trial defers to an older WAITING or RUNNING trial of the same
-cell (two drivers that enqueued it at the same moment), and a cell with a result is skipped. On
-many machines every machine runs the same ``make sweep`` with ``MLFLOW_TRACKING_URI`` and
-``STORAGE`` pointing at the shared servers (docs/resuming.md, "Many workers").
+it trains the cell with ``run_cell`` (a cell that died resumes from its checkpoint in its own
+MLflow run), and records the outcome on the trial. A dead worker stops beating; three heartbeats
+later the next worker that looks fails its trial and Optuna's ``RetryHeartbeatStaleTrialCallback``
+enqueues a copy, which another worker takes over (a dead worker of this machine at once,
+:func:`requeue_dead_here`). Workers leave when nothing is WAITING or RUNNING. A popped trial
+defers to an older one of the same cell (two drivers enqueued it at once). On many machines each
+runs the same ``make sweep`` with ``MLFLOW_TRACKING_URI`` and ``STORAGE`` at the shared servers
+(docs/resuming.md, "Many workers").
 """
 
 from __future__ import annotations
