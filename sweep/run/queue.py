@@ -40,7 +40,7 @@ from experiments.names import Outcome
 from sweep.grid import Cell, Grid
 from sweep.run.placement import job_nodes
 from sweep.run.progress import SweepClock
-from sweep.run.resume import STARTED_TAG, Heartbeat, owner_tags, process_start, worker_name
+from sweep.run.resume import STARTED_TAG, Heartbeat, alive_here, own_start, worker_name
 from sweep.run.runner import CellResult, SweepContext, prepare_sweep, run_cell
 from sweep.signals import StopRequest, child_preexec, wait_forwarding
 from sweep.store_urls import STORAGE_ENV, hide_password
@@ -134,7 +134,7 @@ def pop_cell(
             if queue.storage.set_trial_state_values(trial_id, state=TrialState.RUNNING):
                 queue.storage.record_heartbeat(trial_id)
                 queue.storage.set_trial_user_attr(trial_id, "worker", worker_name())
-                queue.storage.set_trial_user_attr(trial_id, STARTED_TAG, owner_tags()[STARTED_TAG])
+                queue.storage.set_trial_user_attr(trial_id, STARTED_TAG, own_start())
                 return trial
         except optuna.exceptions.UpdateFinishedTrialError:
             continue
@@ -151,9 +151,8 @@ def requeue_dead_here(queue: Queue) -> None:
         host, _, pid = trial.user_attrs.get("worker", "").rpartition(":")
         if host != here or not pid.isdigit():
             continue
-        started, recorded = process_start(int(pid)), trial.user_attrs.get(STARTED_TAG)
-        if started is not None and not (recorded and started and abs(started - float(recorded)) > 1.0):
-            continue  # alive
+        if alive_here(int(pid), trial.user_attrs.get(STARTED_TAG)):
+            continue
         trial_id = queue.trial_id(trial)
         try:
             if not queue.storage.set_trial_state_values(trial_id, state=TrialState.FAIL):

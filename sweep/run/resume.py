@@ -49,12 +49,26 @@ def process_start(pid: int) -> float | None:
         return 0.0
 
 
+def alive_here(pid: int, recorded_start: str | None) -> bool:
+    """Whether process ``pid`` of this machine is still the one that started at
+    ``recorded_start`` (a ``worker_started`` value; unknown: any process of that pid counts)."""
+    started = process_start(pid)
+    if started is None:
+        return False
+    return not (recorded_start and started and abs(started - float(recorded_start)) > 1.0)
+
+
+def own_start() -> str:
+    """This process's ``worker_started`` value: its start time, unix seconds."""
+    return f"{process_start(os.getpid()):.2f}"
+
+
 def owner_tags() -> dict[str, str]:
     """The tags that make this process a run's owner: ``worker``, ``worker_started`` and a first
     ``heartbeat``."""
     return {
         WORKER_TAG: worker_name(),
-        STARTED_TAG: f"{process_start(os.getpid()):.2f}",
+        STARTED_TAG: own_start(),
         HEARTBEAT_TAG: f"{time.time():.0f}",
     }
 
@@ -83,13 +97,7 @@ def live_owner(run: Any, stale_s: float, now: float | None = None) -> str | None
     if tags.get("status") != Status.RUNNING or not pid.isdigit() or owner == worker_name():
         return None
     if host == socket.gethostname():
-        started = process_start(int(pid))
-        if started is None:
-            return None
-        recorded = tags.get(STARTED_TAG)
-        if recorded and started and abs(started - float(recorded)) > 1.0:
-            return None  # the pid now names another process
-        return owner
+        return owner if alive_here(int(pid), tags.get(STARTED_TAG)) else None
     beat = float(tags.get(HEARTBEAT_TAG, (run.info.start_time or 0) / 1000))
     return owner if (time.time() if now is None else now) - beat < stale_s else None
 
