@@ -129,7 +129,7 @@ def _main(argv: list[str] | None) -> int:
         from sweep.report.write import refuse_a_lost_store, table_paths, write_tables
 
         if args.command in ("tables", "eval"):  # before anything opens (and so creates) the store
-            refuse_a_lost_store(results, table_paths(grid, args.scale, results)["md"])
+            refuse_a_lost_store(results, table_paths(grid, args.scale, results, seeds)["md"])
 
         if args.command == "tune":
             return _tune(args, grid, cells, results)

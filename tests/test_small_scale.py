@@ -165,6 +165,13 @@ def test_sink_grid_has_the_issues_rows_and_three_seeds() -> None:
     assert grid.seeds == [0, 1, 2]
     cfg = grid.baseline_config("tiny")
     assert cfg.data.synthetic is not None and cfg.model.vocab_size == cfg.data.synthetic.vocab_size
+    # issue 31: no QK-norm, where the baseline's sink is clear; the QK-norm pair is the control
+    control = {c.row.id: c.config.model for c in grid.cells("tiny", seeds=[0])}
+    assert not cfg.model.qk_norm and control["baseline_qk_norm"].qk_norm
+    assert (
+        control["sdpa_elementwise_qk_norm"].qk_norm
+        and control["sdpa_elementwise_qk_norm"].gate.position == "sdpa"
+    )
 
 
 # --- the curves report -----------------------------------------------------------------------------

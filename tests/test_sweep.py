@@ -148,6 +148,40 @@ def test_table_statistics_over_seeds(tmp_path: Path) -> None:
     assert table.loc["sdpa_elementwise", "added_params_m"] == pytest.approx(2 * 32 * 4 * 8 / 1e6)
 
 
+def test_three_seeds_say_which_rows_are_resolved_from_the_baseline_and_from_g1(tmp_path: Path) -> None:
+    """Issue 31: with three seeds each row's paired Δ to G1 (the share row) gets its interval too,
+    and "Resolved from" names the rows whose interval excludes 0; a SEEDS=3 table of a 1-seed
+    grid is written beside the default one."""
+    from sweep.report.write import table_paths
+
+    grid_file = tmp_path / "g.yaml"
+    grid_file.write_text(MICRO.replace("scales:", "share_of: sdpa_elementwise\nscales:"))
+    grid = load_grid(grid_file)
+    ppl = {"baseline": [10.0, 12.0, 14.0], "sdpa_elementwise": [9.0, 11.2, 12.8], "moe": [9.1, 11.0, 13.2]}
+    runs = pd.DataFrame(
+        [{"row": r, "seed": s, "val/ppl/avg": v} for r, vs in ppl.items() for s, v in enumerate(vs)]
+    )
+    table = build_table(grid, "tiny", runs).set_index("id")
+    d, lo, hi, n = paired_delta(pd.Series(ppl["moe"]), pd.Series(ppl["sdpa_elementwise"]))
+    assert (d, n) == (pytest.approx(0.1), 3)  # by hand: +0.1, -0.2, +0.4
+    assert table.loc["moe", "delta_vs_share"] == pytest.approx(d)
+    assert (table.loc["moe", "delta_vs_share_low"], table.loc["moe", "delta_vs_share_high"]) == (lo, hi)
+    assert math.isnan(table.loc["sdpa_elementwise", "delta_vs_share"])  # G1 against itself
+    shown = display_table(table.reset_index(), share_of="sdpa_elementwise").set_index("Method")
+    # G1: -1.0, -0.8, -1.2 against the baseline (resolved); the MoE row: -0.9, -1.0, -0.8 (resolved)
+    # from the baseline, within noise of G1
+    assert shown.loc["SDPA elementwise (G1)", "Resolved from"] == "#1"
+    assert shown.loc["MoE FFN, 4 experts top-2", "Resolved from"] == "#1"
+    assert shown.loc["MoE FFN, 4 experts top-2", "Δ vs #5"].startswith("+0.100 [")
+    assert shown.loc["Baseline", "Resolved from"] == "—"
+    one_seed = build_table(grid, "tiny", runs[runs["seed"] == 0])
+    assert "delta_vs_share" not in one_seed  # one seed: nothing to resolve, the 1-seed CSV as before
+    assert "Resolved from" not in display_table(one_seed, share_of="sdpa_elementwise")
+    assert table_paths(grid, "tiny", tmp_path, [0, 1, 2])["md"].name == "micro_seeds3.md"
+    assert table_paths(grid, "tiny", tmp_path, [0])["md"].name == "micro.md"
+    assert table_paths(grid, "tiny", tmp_path)["csv"].name == "micro.csv"
+
+
 def test_force_retrains_and_supersedes_only_after_success(micro: dict, capsys: pytest.CaptureFixture) -> None:
     args = ["sweep", "--grid", str(micro["grid"]), "--results", str(micro["results"])]
     assert main([*args, "--rows", "baseline", "--force"]) == 0

@@ -45,6 +45,27 @@ def _fmt_share(value: float) -> str:
     return "—" if value is None or math.isnan(value) else f"{value:.0%}"
 
 
+def _excludes_zero(lo: float, hi: float) -> bool:
+    return not (math.isnan(lo) or math.isnan(hi)) and (lo > 0 or hi < 0)
+
+
+def _resolved(table: pd.DataFrame, share_number: int) -> list[str]:
+    """Per row, the rows its Avg PPL is resolved from: its reference (``#1``) and the share row
+    (``#5``, G1) where the 95% interval of the paired Δ excludes 0; "—" for neither."""
+    number = dict(zip(table["id"], table["row"]))
+    out = []
+    for line in table.itertuples():
+        found = (
+            [f"#{number[line.compare_to]}"]
+            if _excludes_zero(line.delta_ci95_low, line.delta_ci95_high)
+            else []
+        )
+        if _excludes_zero(line.delta_vs_share_low, line.delta_vs_share_high):
+            found.append(f"#{share_number}")
+        out.append(", ".join(found) or "—")
+    return out
+
+
 def display_table(
     table: pd.DataFrame,
     columns: tuple[str, ...] = (),
@@ -76,6 +97,10 @@ def display_table(
     if share_of is not None and "share_of_gain" in table.columns:
         number = table.loc[table["id"] == share_of, "row"].iloc[0]
         out[f"Share of #{number}'s gain"] = [_fmt_share(v) for v in table["share_of_gain"]]
+        if table["delta_ci95_low"].notna().any():  # three seeds or more: what the noise resolves
+            versus = zip(table["delta_vs_share"], table["delta_vs_share_low"], table["delta_vs_share_high"])
+            out[f"Δ vs #{number}"] = [_fmt_delta(*v) for v in versus]
+            out["Resolved from"] = _resolved(table, number)
     out["Seeds"] = table["n_seeds"]
     if "vs_reference_last_half" in table.columns and table["vs_reference_last_half"].astype(bool).any():
         out["vs ref., last half"] = [v or "—" for v in table["vs_reference_last_half"]]
@@ -181,10 +206,17 @@ def _share_note(grid: Grid, table: pd.DataFrame) -> str:
     if grid.share_of is None:
         return ""
     label = next(r.label for r in grid.rows if r.id == grid.share_of)
-    return (
+    note = (
         f"Share of gain: a row's Δ Avg PPL over the Δ of {label}; the input-independent control's "
         "share is what rescaling the attention branch earns without gating by the input. "
     )
+    if table["delta_ci95_low"].notna().any():
+        note += (
+            f"Δ vs #: Avg PPL minus that of {label}, paired by seed, with its 95% t-interval. "
+            "Resolved from: the rows whose difference from this one the seeds resolve (the "
+            "interval excludes 0); a row resolved from neither is within seed noise of both. "
+        )
+    return note
 
 
 def _curves_note(table: pd.DataFrame) -> str:

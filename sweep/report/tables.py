@@ -171,7 +171,9 @@ def build_table(grid: Grid, scale: str, runs: pd.DataFrame) -> pd.DataFrame:
     """The numeric table: one line per grid row, our figures beside the paper's.
 
     ``runs`` is ``sweep.report.runs.finished_runs``' frame (one line per run: ``row``, ``seed``,
-    ``status`` and the metrics); diverged runs count in ``n_diverged`` only.
+    ``status`` and the metrics); diverged runs count in ``n_diverged`` only. With a ``share_of``
+    row (G1 in Table 1) and three seeds of some row, ``delta_vs_share`` (with ``_low`` and
+    ``_high``, its 95% interval) is each row's paired Δ Avg PPL to that row (issue 31).
     """
     grid_paper = paper_table(grid.paper_table)
     if "status" not in runs.columns:
@@ -239,4 +241,12 @@ def build_table(grid: Grid, scale: str, runs: pd.DataFrame) -> pd.DataFrame:
         paper = share["paper_delta"] if share["paper_delta"] else math.nan
         table["share_of_gain"] = (table["delta_avg_ppl"] / ours).mask(off)
         table["paper_share_of_gain"] = (table["paper_delta"] / paper).mask(off)
+        if (table["n_seeds"] >= 3).any():  # three seeds: Δ to the share row too, with its interval
+            versus = [
+                paired_delta(by_row[rid][N.VAL_PPL_AVG], by_row[grid.share_of][N.VAL_PPL_AVG])[:3]
+                if rid in by_row and grid.share_of in by_row and rid != grid.share_of and not skip
+                else (math.nan,) * 3
+                for rid, skip in zip(table["id"], off)
+            ]
+            table["delta_vs_share"], table["delta_vs_share_low"], table["delta_vs_share_high"] = zip(*versus)
     return table

@@ -29,9 +29,13 @@ from sweep.store import Tracker, experiment_name
 from sweep.store_urls import TrackingError, missing_sqlite_store, tracking_uri
 
 
-def table_paths(grid: Grid, scale: str, results_dir: Path) -> dict[str, Path]:
-    """``results/<grid>.{md,csv,tex}`` at the default ``tiny`` scale, ``<grid>_<scale>.*`` otherwise."""
+def table_paths(grid: Grid, scale: str, results_dir: Path, seeds: list[int] | None = None) -> dict[str, Path]:
+    """``results/<grid>.{md,csv,tex}`` at the default ``tiny`` scale, ``<grid>_<scale>.*`` otherwise;
+    ``_seeds<N>`` is added for ``seeds`` other than the grid's own (``SEEDS=3`` on a 1-seed grid:
+    ``table1_seeds3.*``), so a longer run's table sits beside the default one."""
     stem = grid.name if scale == "tiny" else f"{grid.name}_{scale}"
+    if seeds is not None and tuple(seeds) != tuple(grid.seeds):
+        stem += f"_seeds{len(seeds)}"
     return {ext: results_dir / f"{stem}.{ext}" for ext in ("md", "csv", "tex")}
 
 
@@ -69,7 +73,7 @@ def write_tables(
     Returns:
         The written paths by extension (tables) and by name (figures).
     """
-    refuse_a_lost_store(results_dir, table_paths(grid, scale, results_dir)["md"])
+    refuse_a_lost_store(results_dir, table_paths(grid, scale, results_dir, seeds)["md"])
     runs, left_out = one_arithmetic(finished_runs(grid, scale, results_dir, seeds))
     left_note = _left_out_note(grid, scale, runs, left_out)
     if left_note:
@@ -82,7 +86,7 @@ def write_tables(
     sides = side_of_reference(mean, grid)
     table["vs_reference_last_half"] = [sides.get(r, "") for r in table["id"]]
     shown = display_table(table, grid.columns, bench_columns(grid, scale, runs), grid.share_of)
-    paths = table_paths(grid, scale, results_dir)
+    paths = table_paths(grid, scale, results_dir, seeds)
     stem = paths["md"].stem
     figures: dict[str, Path] = {}
     origin = provenance_line(provenance(runs))
