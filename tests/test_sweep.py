@@ -182,6 +182,29 @@ def test_three_seeds_say_which_rows_are_resolved_from_the_baseline_and_from_g1(t
     assert table_paths(grid, "tiny", tmp_path)["csv"].name == "micro.csv"
 
 
+def test_a_seeds3_sweep_writes_its_own_table_and_the_default_keeps_the_grids_seeds(
+    micro: dict, tmp_path: Path
+) -> None:
+    """Issue 31: ``SEEDS=3`` on a 1-seed grid writes ``<grid>_seeds3.*``; ``make tables`` then
+    still writes ``<grid>.*`` from the grid's own seed, not from every seed the store holds."""
+    import shutil
+
+    results = tmp_path / "results"
+    shutil.copytree(micro["results"], results)
+    args = ["--grid", str(micro["grid"]), "--results", str(results)]
+    assert main(["sweep", *args, "--rows", "baseline", "--seeds", "3"]) == 0
+    three = pd.read_csv(results / "micro_seeds3.csv").set_index("id")
+    assert three.loc["baseline", "n_seeds"] == 3 and three.loc["sdpa_elementwise", "n_seeds"] == 1
+    assert main(["tables", *args]) == 0
+    one = pd.read_csv(results / "micro.csv").set_index("id")
+    assert one.loc["baseline", "n_seeds"] == 1
+    assert (
+        one.loc["baseline", "avg_ppl"]
+        == pd.read_csv(micro["results"] / "micro.csv").set_index("id").loc["baseline", "avg_ppl"]
+    )
+    assert three.loc["baseline", "avg_ppl_std"] > 0  # three seeds differ
+
+
 def test_force_retrains_and_supersedes_only_after_success(micro: dict, capsys: pytest.CaptureFixture) -> None:
     args = ["sweep", "--grid", str(micro["grid"]), "--results", str(micro["results"])]
     assert main([*args, "--rows", "baseline", "--force"]) == 0
