@@ -128,17 +128,17 @@ def _main(argv: list[str] | None) -> int:
         _writable(results)
         from sweep.report.write import refuse_a_lost_store, table_paths, write_tables
 
-        shown = seeds or list(grid.seeds)  # a table shows the seeds asked for, else the grid's own
+        table_seeds = seeds or list(grid.seeds)  # the seeds asked for, else the grid's own
 
         if args.command in ("tables", "eval"):  # before anything opens (and so creates) the store
-            refuse_a_lost_store(results, table_paths(grid, args.scale, results, shown)["md"])
+            refuse_a_lost_store(results, table_paths(grid, args.scale, results, table_seeds)["md"])
 
         if args.command == "tune":
             return _tune(args, grid, cells, results)
         if args.command == "stability":
             return _stability(args, grid, cells, results)
         if args.command == "tables":
-            paths = write_tables(grid, args.scale, results, _command_line(), shown)
+            paths = write_tables(grid, args.scale, results, _command_line(), table_seeds)
             print(f"wrote {', '.join(map(str, paths.values()))}")
             return 0
         cache = _cache_root()
@@ -149,7 +149,7 @@ def _main(argv: list[str] | None) -> int:
         if args.command == "eval":
             failed = _evaluate(grid, args.scale, cells, results, cache, asked=True)
             failed += _long_context(grid, args.scale, cells, results, cache)
-            paths = write_tables(grid, args.scale, results, _command_line(), shown)
+            paths = write_tables(grid, args.scale, results, _command_line(), table_seeds)
             print(f"table: {paths['md']} (also .csv, .tex)")
             return 1 if failed else 0
         from sweep.run.queue import run_queued_sweep
@@ -187,7 +187,7 @@ def _main(argv: list[str] | None) -> int:
             bench_failed = 1
         bench_failed += _long_context(grid, args.scale, cells, results, cache)
         minutes = (time.perf_counter() - started) / 60
-        paths = write_tables(grid, args.scale, results, _command_line(), shown)
+        paths = write_tables(grid, args.scale, results, _command_line(), table_seeds)
         print(f"sweep finished in {minutes:.1f} min: {summary_line(outcomes)}")
         for o in outcomes:
             if o.status in (Outcome.FAILED, Outcome.KILLED, Outcome.BUSY):

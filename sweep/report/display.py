@@ -46,7 +46,7 @@ def _fmt_share(value: float) -> str:
 
 
 def _excludes_zero(lo: float, hi: float) -> bool:
-    return not (math.isnan(lo) or math.isnan(hi)) and (lo > 0 or hi < 0)
+    return lo > 0 or hi < 0  # False for a NaN interval (fewer than three pairs)
 
 
 def _resolved(table: pd.DataFrame, share_number: int) -> list[str]:
@@ -55,11 +55,9 @@ def _resolved(table: pd.DataFrame, share_number: int) -> list[str]:
     number = dict(zip(table["id"], table["row"]))
     out = []
     for line in table.itertuples():
-        found = (
-            [f"#{number[line.compare_to]}"]
-            if _excludes_zero(line.delta_ci95_low, line.delta_ci95_high)
-            else []
-        )
+        found = []
+        if _excludes_zero(line.delta_ci95_low, line.delta_ci95_high):
+            found.append(f"#{number[line.compare_to]}")
         if _excludes_zero(line.delta_vs_share_low, line.delta_vs_share_high):
             found.append(f"#{share_number}")
         out.append(", ".join(found) or "—")
