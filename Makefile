@@ -58,7 +58,7 @@ export GATED_ATTN_CPU_ARITH := native
 endif
 ARGS := --grid '$(GRID)' --scale '$(SCALE)' $(if $(SEEDS),--seeds '$(SEEDS)') $(if $(ROWS),--rows '$(ROWS)') $(if $(FORCE),--force)
 
-.PHONY: test-all setup sweep data tokenizer-neox example-data corpus-bench results eval tables init-table params tune stability dashboard throughput bench bench-moe gpu-check compare ui ui-check servers-setup servers-check test golden lint clean
+.PHONY: test-all setup sweep budget data tokenizer-neox example-data corpus-bench results eval tables init-table params tune stability dashboard throughput bench bench-moe gpu-check compare ui ui-check servers-setup servers-check test golden lint clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -114,6 +114,11 @@ example-data: $(STAMP)
 
 tables: $(STAMP)
 	$(PY) -m sweep.cli tables $(ARGS)
+
+# each row's Δ (and share of G1's gain, and Δ to G1) at 25, 50 and 100 % of training, from the
+# store's learning curves: results/<table stem>_budget.{md,csv} (sweep/report/budget.py)
+budget: $(STAMP)
+	$(PY) -m sweep.cli budget $(ARGS)
 
 # the gate at initialisation at tiny and paper width, fixed vs width-aware init (results/init_distribution.md)
 init-table: $(STAMP)

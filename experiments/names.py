@@ -222,7 +222,7 @@ class Outcome:
     RESTARTED = "restarted"  # trained to the end from step 0 in a new run: the earlier attempt left
     # no usable checkpoint (it died before its first, a write failed, the folder was deleted)
     SKIPPED = "skipped"  # had a result already
-    BUSY = "busy"  # another live process is training it (left alone; a queue retries it later)
+    BUSY = "busy"  # another sweep's worker still trained it when this sweep ended
     DIVERGED = Status.DIVERGED
     FAILED = Status.FAILED
     KILLED = Status.KILLED  # a signal stopped it mid-training; its state is saved
@@ -235,7 +235,7 @@ class Outcome:
     #: Outcomes whose queue trial ends COMPLETE; the others end FAIL.
     RESULTS = (FINISHED, RESUMED, RESTARTED, SKIPPED, DIVERGED, DUPLICATE)
     #: Outcomes whose cell goes straight back into the queue (a copy of its trial, WAITING).
-    REQUEUED = (KILLED, NOT_STARTED, BUSY)
+    REQUEUED = (KILLED, NOT_STARTED)
 
 
 class TrialOutcome:

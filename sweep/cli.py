@@ -141,6 +141,8 @@ def _main(argv: list[str] | None) -> int:
             paths = write_tables(grid, args.scale, results, _command_line(), table_seeds)
             print(f"wrote {', '.join(map(str, paths.values()))}")
             return 0
+        if args.command == "budget":
+            return _budget(grid, args.scale, results, table_seeds)
         cache = _cache_root()
         if args.command == "data":
             from sweep.run.corpora import build_corpora
@@ -168,7 +170,7 @@ def _main(argv: list[str] | None) -> int:
                 url = storage_url(results, args.storage)
                 outcomes = run_queued_sweep(
                     grid, cells, results, args.workers, url, _worker_args(args, url), args.heartbeat,
-                    args.force, cache, stop, launch=launch,
+                    args.force, cache, stop, launch=launch, default_queue=args.storage is None,
                 )  # fmt: skip
             except (KeyboardInterrupt, SystemExit):  # Ctrl-C before training, or twice
                 if stop.signum is None:
@@ -253,6 +255,26 @@ def _long_context(grid, scale: str, cells, results: Path, cache: Path | None) ->
     if done or failed:
         print(f"long context: {done} runs scored, {failed} failed")
     return failed
+
+
+def _budget(grid, scale: str, results: Path, seeds: list[int]) -> int:
+    """``make budget``: ``results/<stem>_budget.{md,csv}`` (:mod:`sweep.report.budget`).
+
+    Raises:
+        UsageError: no store, or no finished run in it, to report from (nothing is written).
+    """
+    from sweep.report.budget import write_budget
+    from sweep.store_urls import missing_sqlite_store, tracking_uri
+
+    lost = missing_sqlite_store(tracking_uri(results))
+    if lost is not None:
+        raise UsageError(f"tracking store {lost[0]} is {lost[1]}: nothing to report (make sweep first)")
+    try:
+        paths = write_budget(grid, scale, results, _command_line(), seeds)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    print(f"wrote {', '.join(map(str, paths.values()))}")
+    return 0
 
 
 def _worker_args(args: argparse.Namespace, url: str) -> list[str]:

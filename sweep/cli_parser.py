@@ -18,6 +18,7 @@ def parser(description: str) -> argparse.ArgumentParser:
     for name, text in (
         ("sweep", "train every unfinished cell, then write the tables"),
         ("tables", "write results/<grid>.{md,csv,tex} from the tracking store"),
+        ("budget", "write results/<grid>_budget.{md,csv}: each row's Δ at 25, 50 and 100 % of training"),
         ("params", "print total, active and added parameters per row (counted, no training)"),
         ("tune", "Optuna search of each row's max learning rate, then results/<grid>_lr_search.*"),
         (

@@ -1,5 +1,6 @@
-"""Two processes on one store: a new store set up once, a live run never taken over, and a summary
-that says what each cell went through (finished, resumed, restarted, busy, killed, not started)."""
+"""Two processes on one store: a new store set up once, one queue for every sweep into a store,
+and a summary that says what each cell went through (finished, resumed, restarted, busy, killed,
+not started)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import optuna
@@ -18,11 +18,8 @@ from mlflow.entities import ViewType
 
 from sweep.cli import main
 from sweep.grid import load_grid
-from sweep.run.progress import SweepClock
-from sweep.run.runner import CellResult, prepare_sweep, run_cell, summary_line
+from sweep.run.runner import CellResult, summary_line
 from sweep.sqlite_lock import sqlite_file
-from sweep.store import Tracker
-from sweep.store_urls import tracking_uri
 from tests.support import LONG_MICRO, LONG_STEPS, MICRO, ROOT, start_slow_cli, use_repo_cache
 
 pytestmark = pytest.mark.slow  # make test-all: processes, signals, faults
@@ -108,75 +105,36 @@ def test_the_set_up_lock_of_a_sqlite_store_sits_beside_its_file() -> None:
     assert sqlite_file("sqlite://") is None  # in memory: one process
 
 
-def plant_running_run(results: Path, grid: Path, row: str, tags: dict[str, str]) -> str:
-    """A cell run of ``row`` as a sweep on another machine leaves it before its first checkpoint:
-    status ``running``, owner tags as given, no checkpoint folder."""
-    results.mkdir(exist_ok=True)
-    cell = load_grid(grid).cells("tiny", rows=[row])[0]
-    tracker = Tracker(tracking_uri(results), "micro-tiny", results / "mlartifacts")
-    return tracker.start_cell(cell, tags)
-
-
-def test_a_run_whose_owner_beats_is_left_alone_however_slow_its_first_checkpoint(
+def test_a_store_other_machines_may_sweep_into_needs_a_queue_they_share(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    use_repo_cache(monkeypatch)
+    """Two machines on one tracking server, each with its own ``results/optuna.db``, would each
+    take over the other's running cells: the queue alone knows who trains what. The default
+    queue with such a store is one line, exit 2, before anything is built or written."""
+    from sweep.run.runner import check_one_queue
+    from sweep.store_urls import TrackingError
+
+    server = "http://tracking.example:5000"
+    for local in ("sqlite:////data/mlflow.db", (tmp_path / "mlruns").as_uri()):
+        check_one_queue(local, tmp_path)  # a file this machine holds: its own queue is enough
+    for shared in (server, "postgresql+psycopg://u:pw@db/mlflow", "databricks"):
+        with pytest.raises(TrackingError, match="must share its queue"):
+            check_one_queue(shared, tmp_path)
+
     grid, results = tmp_path / "micro.yaml", tmp_path / "results"
     grid.write_text(MICRO)
-    owner = {"worker": "gpu-node-7:4242", "heartbeat": f"{time.time():.0f}"}
-    live = plant_running_run(results, grid, "baseline", owner)
-    args = ["sweep", "--grid", str(grid), "--results", str(results), "--rows", "baseline"]
-
-    assert main(args) == 0
-    out = capsys.readouterr().out
-    assert f"baseline s0 skipped: being trained by gpu-node-7:4242 (run {live})" in out
-    assert "finished 0, resumed 0, skipped 0, busy 1, diverged 0, failed 0" in out
-    assert "  busy: baseline seed 0: being trained by gpu-node-7:4242" in out
-    (run,) = cell_runs(results)  # nothing deleted, nothing added, nothing rewritten
-    assert run.info.run_id == live and run.info.lifecycle_stage == "active"
-    assert run.data.tags["status"] == "running" and run.data.tags["worker"] == "gpu-node-7:4242"
-
-    # The owner stops beating: three 30 s heartbeats and one second later it is dead.
-    client = MlflowClient(tracking_uri=f"sqlite:///{results / 'mlflow.db'}")
-    client.set_tag(live, "heartbeat", f"{time.time() - 91:.0f}")
-    assert main(args) == 0
-    out = capsys.readouterr().out
-    assert f"run {live} (running) has no folder {results / 'checkpoints' / 'micro-tiny' / live}" in out
-    assert "finished 0, resumed 0, restarted 1, skipped 0, diverged 0, failed 0" in out
-    dead, new = cell_runs(results)
-    assert dead.info.run_id == live and dead.info.lifecycle_stage == "deleted"
-    assert new.data.tags["status"] == "finished" and new.data.tags["worker"].endswith(f":{os.getpid()}")
-    assert float(new.data.tags["heartbeat"]) >= float(owner["heartbeat"])  # its owner beat
-    assert steps_of(results, new.info.run_id) == list(range(8))
-
-
-def test_a_run_its_owner_finished_just_before_it_exited_is_skipped_not_restarted(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The race CI caught in the test above: a sweep reads a cell's run as ``running``, its owner
-    finishes it and exits, and only then is the owner found dead. Without the second read the
-    sweep deleted the finished run and trained the cell again."""
-    use_repo_cache(monkeypatch)
-    grid, results = tmp_path / "micro.yaml", tmp_path / "results"
-    grid.write_text(MICRO)
-    owner = {"worker": "gpu-node-7:4242", "heartbeat": f"{time.time() - 600:.0f}"}
-    planted = plant_running_run(results, grid, "baseline", owner)
-    client = MlflowClient(tracking_uri=f"sqlite:///{results / 'mlflow.db'}")
-
-    def owner_finishes_then_exits(run, stale_s: float, now: float | None = None) -> None:
-        client.set_tag(run.info.run_id, "status", "finished")
-        client.set_terminated(run.info.run_id, "FINISHED")
-
-    monkeypatch.setattr("sweep.run.runner.live_owner", owner_finishes_then_exits)
-    cells = load_grid(grid).cells("tiny", rows=["baseline"])
-    lines: list[str] = []
-    ctx = prepare_sweep(load_grid(grid), cells, results, out=lines.append)
-    result = run_cell(cells[0], ctx, "baseline s0", SweepClock(1))
-    assert (result.status, result.note) == ("skipped", "finished earlier")
-    assert f"baseline s0 skipped: finished by its owner just now (run {planted})" in lines
-    (run,) = cell_runs(results)  # nothing deleted, nothing added
-    assert run.info.run_id == planted and run.info.lifecycle_stage == "active"
-    assert run.data.tags["status"] == "finished"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server)
+    monkeypatch.setattr("sweep.run.runner.check_reachable", lambda uri: None)  # as if it answered
+    monkeypatch.setenv("GATED_ATTN_CACHE", str(tmp_path / "cache"))
+    assert main(["sweep", "--grid", str(grid), "--results", str(results)]) == 2
+    err = capsys.readouterr().err
+    queue = f"sqlite:///{(results / 'optuna.db').resolve()}"
+    assert err == (
+        f"error: tracking store {server} may take sweeps from other machines, and every sweep into one "
+        "store must share its queue: give STORAGE=<a database they all reach> (docs/cluster.md), or "
+        f"STORAGE={queue} if this machine alone sweeps into it\n"
+    )
+    assert list(results.iterdir()) == [] and not (tmp_path / "cache").exists()
 
 
 def test_a_cell_whose_first_checkpoint_write_failed_restarts_and_says_so(

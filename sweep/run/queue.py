@@ -112,9 +112,8 @@ def pop_cell(
     queue: Queue,
     known: set[str],
     parents: dict[str, str] | None = None,
-    passed: set[str] | frozenset = frozenset(),
 ) -> FrozenTrial | None:
-    """Take one WAITING trial of a cell in ``known`` and not in ``passed`` (set it RUNNING, its
+    """Take one WAITING trial of a cell in ``known`` (set it RUNNING, its
     ``worker`` attribute this process); None when there is none. A later stage (``parents``: its
     run key -> its parent's) waits while its parent's cell is still queued or training.
 
@@ -125,7 +124,7 @@ def pop_cell(
     pending = {t.user_attrs.get("run_key") for t in queue.in_flight()} if parents else set()
     for trial in queue.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
         key = trial.user_attrs.get("run_key")
-        if key not in known or key in passed:  # another version of the grid's, or passed over
+        if key not in known:  # another version of the grid's
             continue
         if parents.get(key) in pending:  # its parent stage has not ended yet
             continue
@@ -178,8 +177,7 @@ def record(
 ) -> bool:
     """Store the outcome (and the Avg PPL, as the trial's value) on the trial and end it:
     COMPLETE for a result, FAIL otherwise. A killed cell (Ctrl-C, a pre-empted machine), one not
-    started before a signal, and one another process is training (``busy``) go straight back
-    into the queue, for any worker still running.
+    started before a signal go straight back into the queue, for any worker still running.
 
     Returns False when the trial was no longer this worker's: its heartbeat lapsed and another
     worker failed it (and took the cell over)."""
@@ -212,7 +210,7 @@ def run_worker(
 ) -> list[CellResult]:
     """A worker process (``python -m sweep.cli worker``): prepare, then :func:`drain` the queue.
     Returns the outcomes of the cells this worker took."""
-    ctx = prepare_sweep(grid, cells, results_dir, cache_root, stop, out, heartbeat_s, job_nodes())
+    ctx = prepare_sweep(grid, cells, results_dir, cache_root, stop, out, job_nodes())
     queue = open_queue(cells[0].scale, url, heartbeat_s)
     stop.arm()
     return drain(queue, cells, ctx, heartbeat_s, poll_s)
@@ -230,9 +228,8 @@ def drain(
     arrives. Returns the outcomes of the cells this worker took.
 
     ``alone`` (the number of cells the sweep queued) makes this the sweep's one worker, in the
-    sweep's own process (``WORKERS=1``): its lines number the cells ``[i/n]``, and a cell whose
-    run another queue's worker trains (``busy``) is passed over rather than waited for. Like any
-    worker it waits for the cells other workers of this queue train (one of them may die)."""
+    sweep's own process (``WORKERS=1``): its lines number the cells ``[i/n]``. Like any worker
+    it waits for the cells other workers of this queue train (one of them may die)."""
     stop, out = ctx.stop, ctx.out
     by_key: dict[str, Cell] = {}  # the first cell of each config, as the driver enqueued it
     for cell in cells:
@@ -241,14 +238,12 @@ def drain(
     clock = SweepClock(alone or len(by_key))
     me = worker_name()
     outcomes: list[CellResult] = []
-    passed: set[str] = set()  # alone: cells found busy
     while stop.signum is None:
         optuna.storages.fail_stale_trials(queue.study)  # a dead worker's cell goes back as WAITING
         requeue_dead_here(queue)
-        trial = pop_cell(queue, set(by_key), parents, passed)
+        trial = pop_cell(queue, set(by_key), parents)
         if trial is None:
-            left = {t.user_attrs.get("run_key") for t in queue.in_flight()} & set(by_key)
-            if not left - passed:
+            if not {t.user_attrs.get("run_key") for t in queue.in_flight()} & set(by_key):
                 break
             time.sleep(poll_s)
             continue
@@ -256,7 +251,7 @@ def drain(
         prefix = f"[{me}] {cell.row.id} s{cell.seed}"
         if alone:
             n = len(str(alone))
-            prefix = f"[{len(outcomes) + len(passed) + 1:>{n}}/{alone}] {cell.row.id} s{cell.seed}"
+            prefix = f"[{len(outcomes) + 1:>{n}}/{alone}] {cell.row.id} s{cell.seed}"
         states = [t.state for t in queue.in_flight() if t.user_attrs.get("run_key") in by_key]
         clock.waiting = states.count(TrialState.WAITING)
         clock.parallel = max(1, states.count(TrialState.RUNNING))
@@ -272,14 +267,6 @@ def drain(
             outcome = run_cell(cell, ctx, prefix, clock, force=bool(trial.user_attrs.get("force")))
         if not record(queue, trial, outcome.status, outcome.note, outcome.avg_ppl):
             out(f"{prefix}: trial {trial.number} was taken over after its heartbeat lapsed")
-        if outcome.status == Outcome.BUSY and alone:
-            passed.add(cell.run_key)
-            continue
-        if outcome.status == Outcome.BUSY:  # requeued: look again a heartbeat later, not at once
-            until = time.monotonic() + heartbeat_s
-            while stop.signum is None and time.monotonic() < until:
-                time.sleep(min(poll_s, heartbeat_s))
-            continue
         outcomes.append(outcome)
     return outcomes
 
@@ -297,6 +284,7 @@ def run_queued_sweep(
     stop: StopRequest,
     out: Callable[[str], None] = print,
     launch: Launcher | None = None,
+    default_queue: bool = False,
 ) -> list[CellResult]:
     """The driver: prepare, enqueue, start ``workers`` workers, wait, and return one
     :class:`CellResult` per cell (read back from the queue).
@@ -306,9 +294,11 @@ def run_queued_sweep(
     (:func:`start_processes` by default; :class:`sweep.run.slurm.SubmititLauncher` for cluster
     jobs). One local worker runs in this process (:func:`drain` ``alone``): a worker process would
     import torch, Lightning, MLflow and Optuna again. SIGINT and SIGTERM reach the workers, each
-    saves its cell and marks it killed.
+    saves its cell and marks it killed. ``default_queue``: ``url`` is the results folder's own
+    queue, not one the user named (see :func:`sweep.run.runner.check_one_queue`).
     """
-    ctx = prepare_sweep(grid, cells, results_dir, cache_root, stop, out, heartbeat_s, None if launch else 1)
+    nodes = None if launch else 1
+    ctx = prepare_sweep(grid, cells, results_dir, cache_root, stop, out, nodes, default_queue)
     queue = open_queue(cells[0].scale, url, heartbeat_s)
     wanted = enqueue_cells(queue, cells, ctx, force)
     stop.arm()

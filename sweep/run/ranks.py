@@ -22,6 +22,7 @@ came to within those 30 s: the final validation, the probes), the cell ends ``ki
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import shutil
@@ -64,21 +65,25 @@ def rank_stop() -> StopRequest | None:
     return _stop
 
 
-def ranks_left(folder: Path, wait_s: float = 60.0) -> list[int]:
-    """The pids of this machine's processes (torchrun, ranks) still running a job of ``folder``
-    (a cell's checkpoint folder), after waiting up to ``wait_s`` seconds for them to end: a
-    killed worker's torchrun takes up to 30 s to stop its ranks, saved."""
+def end_orphan_ranks(folder: Path, wait_s: float = 60.0) -> list[int]:
+    """Wait up to ``wait_s`` seconds for this machine's processes (torchrun, ranks) still running
+    a job of ``folder`` (a dead worker's cell's checkpoint folder: its torchrun takes up to 30 s
+    to stop its ranks, saved), then SIGKILL any left (hung: nobody waits for them). Returns the
+    pids killed."""
     import psutil
 
+    def left() -> list[psutil.Process]:
+        procs = psutil.process_iter(["pid", "cmdline"])
+        return [p for p in procs if any(str(folder) in arg for arg in p.info["cmdline"] or [])]
+
     deadline = time.monotonic() + wait_s
-    while True:
-        found = []
-        for proc in psutil.process_iter(["pid", "cmdline"]):
-            if any(str(folder) in arg for arg in proc.info["cmdline"] or []):
-                found.append(proc.info["pid"])
-        if not found or time.monotonic() > deadline:
-            return found
+    while (found := left()) and time.monotonic() < deadline:
         time.sleep(0.5)
+    for proc in found:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(found, timeout=10)
+    return [p.pid for p in found]
 
 
 def torchrun_command(

@@ -1,8 +1,7 @@
 """Continuing a cell's MLflow run after a crash: which steps the run already holds, a logger that
-does not log a replayed step twice, and whether a ``running`` run's owner is still alive. The
-work queue (``sweep.run.queue``) hands each cell to one worker and knows which are alive; the
-owner tags answer what it cannot know: whether a worker of another queue (another ``STORAGE`` on
-the same tracking store) trains the run.
+does not log a replayed step twice, and whether a worker process of this machine is still alive.
+Whether a cell is being trained is the work queue's to say (``sweep.run.queue``): it hands each
+cell to one worker and knows which are alive by their heartbeats.
 
 The training state itself is saved and found by ``experiments.checkpointing``; a rerun restarts
 ``trainer.fit`` from the newest ``step<N>.ckpt``, in the cell's own MLflow run.
@@ -22,15 +21,10 @@ import lightning.pytorch as pl
 import psutil
 from lightning.pytorch.loggers import MLFlowLogger
 
-from experiments.names import Status
-
-#: Run tags that name a run's owner: ``host:pid``, that process's start time (unix seconds; it
-#: tells the owner apart from a later process given the same pid) and its last heartbeat (unix
-#: seconds, renewed every ``heartbeat_s`` while it trains the run).
-WORKER_TAG, STARTED_TAG, HEARTBEAT_TAG = "worker", "worker_started", "heartbeat"
-#: A heartbeat this many intervals old means the owner on another machine is dead (the queue's
-#: grace period too).
-STALE_BEATS = 3
+#: The tag (and queue trial attribute) that names the process training a run, ``host:pid``, and
+#: the trial attribute with that process's start time (unix seconds), which tells it apart from a
+#: later process given the same pid.
+WORKER_TAG, STARTED_TAG = "worker", "worker_started"
 
 
 def worker_name() -> str:
@@ -63,54 +57,15 @@ def own_start() -> str:
     return f"{process_start(os.getpid()):.2f}"
 
 
-def owner_tags() -> dict[str, str]:
-    """The tags that make this process a run's owner: ``worker``, ``worker_started`` and a first
-    ``heartbeat``."""
-    return {
-        WORKER_TAG: worker_name(),
-        STARTED_TAG: own_start(),
-        HEARTBEAT_TAG: f"{time.time():.0f}",
-    }
-
-
-def live_owner(run: Any, stale_s: float, now: float | None = None) -> str | None:
-    """The owner (``host:pid``) of a ``running`` run while it provably trains it, else None: only
-    then may another process take the run over (resume it, or delete it to start over).
-
-    - **On this machine** the owner is alive while process ``pid`` exists and started when the
-      run's ``worker_started`` tag says (a reused pid belongs to another process). Exact: a dead
-      owner is taken over at once, a live one never, however slow its first checkpoint.
-    - **On another machine** it is alive while its ``heartbeat`` tag (renewed every
-      ``stale_s / 3`` seconds by the owner, see :class:`Heartbeat`) is younger than ``stale_s``
-      by this machine's clock; a run recorded before heartbeats existed counts from its start.
-    - A run that is not ``running`` (failed, killed) has no owner, and neither has a run this very
-      process owned (it is not training it now).
-
-    Args:
-        run: an MLflow run (its ``data.tags`` and ``info.start_time`` are read).
-        stale_s: seconds after which a silent owner on another machine is dead.
-        now: the current unix time (default: the clock).
-    """
-    tags = run.data.tags
-    owner = tags.get(WORKER_TAG, "")
-    host, _, pid = owner.rpartition(":")
-    if tags.get("status") != Status.RUNNING or not pid.isdigit() or owner == worker_name():
-        return None
-    if host == socket.gethostname():
-        return owner if alive_here(int(pid), tags.get(STARTED_TAG)) else None
-    beat = float(tags.get(HEARTBEAT_TAG, (run.info.start_time or 0) / 1000))
-    return owner if (time.time() if now is None else now) - beat < stale_s else None
-
-
 class Heartbeat:
-    """Calls ``beat`` now and then every ``interval`` seconds in a thread, while entered: a run's
-    owner renews its ``heartbeat`` tag this way, a queue worker its trial's heartbeat. A beat
+    """Calls ``beat`` now and then every ``interval`` seconds in a thread, while entered: a queue
+    worker renews its trial's heartbeat this way. A beat
     that fails warns, and the next one tries again (a dropped connection must not end it).
 
     Args:
         beat: records one heartbeat.
         interval: seconds between beats.
-        what: names the heartbeat in the warning (``trial 3``, ``run <id>``).
+        what: names the heartbeat in the warning (``trial 3``).
     """
 
     def __init__(self, beat: Callable[[], object], interval: float, what: str) -> None:

@@ -22,21 +22,13 @@ from sweep.run.corpora import check_fits, check_sources
 from sweep.run.placement import check_runnable, placement_change
 from sweep.run.progress import ProgressPrinter, SweepClock
 from sweep.run.quiet import pin_threads, quiet_lightning
-from sweep.run.ranks import ranks_left
-from sweep.run.resume import (
-    HEARTBEAT_TAG,
-    STALE_BEATS,
-    Heartbeat,
-    live_owner,
-    logged_steps,
-    owner_tags,
-)
+from sweep.run.ranks import end_orphan_ranks
+from sweep.run.resume import WORKER_TAG, logged_steps, worker_name
 from sweep.run.stages import Stage, parent_stage
 from sweep.run.sysmetrics import system_metrics
 from sweep.signals import Interrupted, StopRequest
 from sweep.store import Tracker, experiment_name
 from sweep.store_urls import TrackingError, check_reachable, tracking_uri
-from sweep.studies import HEARTBEAT_S
 
 
 @dataclass
@@ -60,7 +52,6 @@ class SweepContext:
     cache_root: Path | None
     stop: StopRequest
     out: Callable[[str], None] = print
-    heartbeat_s: int = HEARTBEAT_S  # how often a cell's owner renews its run's heartbeat tag
 
 
 def prepare_sweep(
@@ -70,17 +61,19 @@ def prepare_sweep(
     cache_root: Path | None = None,
     stop: StopRequest | None = None,
     out: Callable[[str], None] = print,
-    heartbeat_s: int = HEARTBEAT_S,
     nodes: int | None = 1,
+    default_queue: bool = False,
 ) -> SweepContext:
     """Check the tracking store answers, build the corpora, then create (or restore) the experiment.
 
     In that order, so that an unreachable store or a corpus that cannot be built stops the sweep
-    before any run (or experiment) exists.
+    before any run (or experiment) exists. ``default_queue``: the sweep's queue is the results
+    folder's own ``optuna.db`` (no ``STORAGE`` given), which no other machine reaches.
 
     Raises:
         GridError: a cell's machines do not fit ``nodes`` (:func:`check_runnable`).
-        TrackingError: the store is unreachable or unusable.
+        TrackingError: the store is unreachable or unusable, or it is a store other machines
+            may sweep into while the queue is ``default_queue`` (:func:`check_one_queue`).
         CorpusError: a corpus source cannot be built.
     """
     check_runnable(grid, cells, nodes)
@@ -92,12 +85,32 @@ def prepare_sweep(
     for data_cfg in recipes:  # before the store: an offline hub source or a missing file writes nothing
         check_sources(data_cfg)
     check_reachable(uri)
+    if default_queue:
+        check_one_queue(uri, results_dir)
     for data_cfg in recipes:
         check_fits(
             grid, [c for c in cells if c.config.data == data_cfg], build_corpus(data_cfg, cache_root, log=out)
         )
     tracker = Tracker(uri, experiment_name(grid.name, scale), results_dir / "mlartifacts", out)
-    return SweepContext(grid, tracker, results_dir, cache_root, stop or StopRequest(), out, heartbeat_s)
+    return SweepContext(grid, tracker, results_dir, cache_root, stop or StopRequest(), out)
+
+
+def check_one_queue(uri: str, results_dir: Path) -> None:
+    """Refuse a tracking store that other machines may sweep into (a server, a database) with the
+    results folder's own queue: every sweep into one store must take its cells from one queue,
+    which alone knows whether a ``running`` run's worker is alive; with two, each would take over
+    the other's running cells.
+
+    Raises:
+        TrackingError: ``uri`` is neither a SQLite file nor a file store; one line.
+    """
+    if uri.startswith(("sqlite:", "file:")) or "://" not in uri and uri != "databricks":
+        return
+    raise TrackingError(
+        f"tracking store {uri} may take sweeps from other machines, and every sweep into one store "
+        "must share its queue: give STORAGE=<a database they all reach> (docs/cluster.md), or "
+        f"STORAGE=sqlite:///{(results_dir / 'optuna.db').resolve()} if this machine alone sweeps into it"
+    )
 
 
 @dataclass
@@ -115,8 +128,8 @@ class Claim:
 def claim_run(
     cell: Cell, ctx: SweepContext, unfinished: Any | None, prefix: str, stage: Stage | None = None
 ) -> Claim:
-    """Make this process the owner of the cell's run: ``unfinished`` (a run whose owner is dead)
-    continued from its newest usable checkpoint, or a new run.
+    """The run this process trains the cell in: ``unfinished`` (a run nobody trains now: the queue
+    handed the cell to this worker) continued from its newest usable checkpoint, or a new run.
 
     An unfinished run with no usable checkpoint (it died before its first, a write failed, its
     folder was deleted by hand, the file is truncated) is deleted with its folder, and the cell
@@ -127,7 +140,7 @@ def claim_run(
     weights, stage_tags = (stage.weights, stage.tags) if stage is not None else (None, {})
 
     def new_run(restarted: bool = False) -> Claim:
-        run_id = tracker.start_cell(cell, {**owner_tags(), **stage_tags})
+        run_id = tracker.start_cell(cell, {WORKER_TAG: worker_name(), **stage_tags})
         folder = checkpoint_dir(ctx.results_dir, tracker.experiment, run_id)
         return Claim(run_id, folder, restarted=restarted, start_weights=weights)
 
@@ -152,8 +165,7 @@ def claim_run(
         if stale not in (resume_from, sum_file(resume_from)):
             stale.unlink()
     replayed = logged_steps(tracker.client, old_id)
-    for key, value in owner_tags().items():  # before the status: the run is never ownerless
-        tracker.client.set_tag(old_id, key, value)
+    tracker.client.set_tag(old_id, WORKER_TAG, worker_name())
     tracker.reopen(old_id)
     out(f"{prefix} resuming run {old_id} ({old_status}) from {resume_from.name}")
     return Claim(old_id, checkpoints, resume_from, replayed)
@@ -162,30 +174,25 @@ def claim_run(
 def run_cell(
     cell: Cell, ctx: SweepContext, prefix: str, clock: SweepClock, force: bool = False
 ) -> CellResult:
-    """Train one cell to the end, resuming its unfinished run if it has one; never raises for the
-    cell's own failure.
+    """Train one cell the queue handed to this worker to the end, resuming its unfinished run if
+    it has one; never raises for the cell's own failure.
 
     - A cell with a ``finished`` or ``diverged`` run is skipped (unless ``force``).
-    - A cell whose newest run is ``running`` while its owner provably trains it (a worker of
-      another queue: this one hands each cell to one worker; see
-      :func:`~sweep.run.resume.live_owner`: the owner's process on this machine, or a fresh
-      heartbeat from another) is left alone: outcome ``busy``, nothing of that run touched. Once
-      its owner is found dead the run is read again: an owner that finished it and exited between
-      the two reads leaves a result, and the cell is skipped (never its finished run deleted).
-    - A cell whose newest run is ``running`` (its owner died), ``failed`` or ``killed``
-      continues in that run from its latest ``step<N>.ckpt``; metric points the run already
-      holds are not logged again. Without a usable checkpoint the cell starts over in a new run
-      (:func:`claim_run`).
+    - A cell whose newest run is ``running`` (its worker died: the queue gave the cell to this
+      one), ``failed`` or ``killed`` continues in that run from its latest ``step<N>.ckpt``;
+      metric points the run already holds are not logged again. Without a usable checkpoint the
+      cell starts over in a new run (:func:`claim_run`). While the dead worker's torchrun still
+      stops its ranks (up to 30 s) the cell waits; ranks still running after 60 s are killed.
     - Otherwise a new run is created.
 
-    While it trains, the run's ``heartbeat`` tag is renewed every ``ctx.heartbeat_s`` seconds and
-    the machine's load is logged as MLflow system metrics (:mod:`sweep.run.sysmetrics`).
-    An experiment deleted in the MLflow UI is restored first (:meth:`Tracker.ensure_active`); a
-    run deleted while it trains ends the cell as failed, with a line.
+    While it trains, the machine's load is logged as MLflow system metrics
+    (:mod:`sweep.run.sysmetrics`). An experiment deleted in the MLflow UI is restored first
+    (:meth:`Tracker.ensure_active`); a run deleted while it trains ends the cell as failed, with a
+    line.
 
     Returns:
         A :class:`CellResult`: finished, resumed (from a checkpoint), restarted (from step 0 after
-        an attempt that left none), skipped, busy, diverged, failed or killed (a signal stopped
+        an attempt that left none), skipped, diverged, failed or killed (a signal stopped
         it; its state is saved and the next sweep resumes it).
 
     Raises:
@@ -198,25 +205,11 @@ def run_cell(
     done, unfinished = tracker.current_state(cell)
     if done is not None and not force:
         return CellResult(cell, Outcome.SKIPPED, note=f"{done.data.tags['status']} earlier")
-    if unfinished is not None and (owner := live_owner(unfinished, STALE_BEATS * ctx.heartbeat_s)):
-        out(f"{prefix} skipped: being trained by {owner} (run {unfinished.info.run_id})")
-        return CellResult(cell, Outcome.BUSY, note=f"being trained by {owner}")
-    if unfinished is not None:  # its owner's ranks may still be saving (torchrun stops them)
-        folder = checkpoint_dir(
-            ctx.results_dir, tracker.experiment_name_of(unfinished), unfinished.info.run_id
-        )
-        if left := ranks_left(folder):
-            note = f"its dead worker's ranks (pids {', '.join(map(str, left))}) are still running"
-            out(f"{prefix} skipped: {note} (run {unfinished.info.run_id})")
-            return CellResult(cell, Outcome.BUSY, note=note)
-    if unfinished is not None:  # its owner may have ended it between the read and its exit
-        unfinished = tracker.client.get_run(unfinished.info.run_id)
-        if unfinished.info.lifecycle_stage != "active":
-            unfinished = None
-        elif unfinished.data.tags.get("status") in Status.DONE:
-            status = unfinished.data.tags["status"]
-            out(f"{prefix} skipped: {status} by its owner just now (run {unfinished.info.run_id})")
-            return CellResult(cell, Outcome.SKIPPED, note=f"{status} earlier")
+    if unfinished is not None:  # its dead worker's ranks may still be saving (torchrun stops them)
+        run_id = unfinished.info.run_id
+        folder = checkpoint_dir(ctx.results_dir, tracker.experiment_name_of(unfinished), run_id)
+        if killed := end_orphan_ranks(folder):
+            out(f"{prefix}: killed its dead worker's ranks (pids {', '.join(map(str, killed))}), hung 60 s")
     if unfinished is not None and (moved := placement_change(unfinished, cell)):
         out(f"{prefix} FAILED: {moved}")
         return CellResult(cell, Outcome.FAILED, note=moved)
@@ -227,11 +220,7 @@ def run_cell(
     claim = claim_run(cell, ctx, unfinished, prefix, stage)
     run_id = claim.run_id
     started = time.perf_counter()
-
-    def beat() -> None:
-        tracker.client.set_tag(run_id, HEARTBEAT_TAG, f"{time.time():.0f}")
-
-    with Heartbeat(beat, ctx.heartbeat_s, f"run {run_id}"), system_metrics(tracker.uri, run_id):
+    with system_metrics(tracker.uri, run_id):
         try:
             return train_claimed(cell, ctx, prefix, clock, claim)
         except MlflowException as err:  # recording failed: the run or the store is gone
