@@ -7,7 +7,8 @@
 #   FORCE 1 retrains finished cells
 #   WORKERS  cells trained at once (default auto: one single-threaded worker per CPU core, one on a
 #            GPU machine); every sweep hands its cells out through the Optuna queue in STORAGE
-#   STORAGE  Optuna RDB URL for the sweep's queue and the LR search (default results/optuna.db)
+#   STORAGE  Optuna RDB URL for the sweep's queue and the LR search (default results/optuna.db;
+#            a sweep into an MLflow server or database, MLFLOW_TRACKING_URI, must give it)
 #   LAUNCHER local (worker processes here) | slurm (one SLURM job per worker, through submitit; needs
 #            WORKERS=N) | submitit-local (the slurm path on this machine); docs/cluster.md
 #   PARTITION, GPUS_PER_WORKER (1), CPUS_PER_WORKER (8), TIME_LIMIT (minutes per job, 240): the jobs
@@ -71,10 +72,14 @@ $(STAMP): pyproject.toml
 sweep: $(STAMP)
 	$(PY) -m sweep.cli sweep $(ARGS) --workers $(WORKERS) $(LAUNCH)
 
+# Table 1's key rows past early training (issue 31): 2,400 steps, three seeds, 24 cells (about 2 h)
+CPU_LONG_ROWS := baseline,sdpa_elementwise,sdpa_headwise,dense_output,sdpa_additive_silu,sdpa_elementwise_silu,sdpa_input_independent,q48
+
 # every committed table and figure under results/, regenerated in order by its own command (about
-# 3.5 hours on 2 cores): Table 1, then Tables 4 and 3 (which reuse its cells), the same three over
-# three seeds (results/<grid>_seeds3.*), the cpu_long probe, Table 2 (one and three seeds), 5, the sink task, the
-# stability ladder, the init table, the compare figure (docs/results.md)
+# 5.5 hours on 2 cores): Table 1, then Tables 4 and 3 (which reuse its cells), the same three over
+# three seeds (results/<grid>_seeds3.*), Table 1's key rows at cpu_long over three seeds (its seed-0
+# table and its budget report from the same runs), Table 2 (one and three seeds), 5, the sink task,
+# the stability ladder, the init table, the compare figure (docs/results.md)
 results: $(STAMP)
 	$(MAKE) sweep GRID=grids/table1.yaml
 	$(MAKE) sweep GRID=grids/table4.yaml
@@ -82,7 +87,9 @@ results: $(STAMP)
 	$(MAKE) sweep GRID=grids/table1.yaml SEEDS=3
 	$(MAKE) sweep GRID=grids/table4.yaml SEEDS=3
 	$(MAKE) sweep GRID=grids/table3.yaml SEEDS=3
-	$(MAKE) sweep GRID=grids/table1.yaml SCALE=cpu_long ROWS=baseline,sdpa_elementwise
+	$(MAKE) sweep GRID=grids/table1.yaml SCALE=cpu_long SEEDS=3 ROWS=$(CPU_LONG_ROWS)
+	$(MAKE) tables GRID=grids/table1.yaml SCALE=cpu_long
+	$(MAKE) budget GRID=grids/table1.yaml SCALE=cpu_long SEEDS=3
 	$(MAKE) sweep GRID=grids/table2.yaml
 	$(MAKE) sweep GRID=grids/table2.yaml SEEDS=3
 	$(MAKE) sweep GRID=grids/table5.yaml

@@ -1,6 +1,6 @@
 """Bad input outside the grid file: a corpus that cannot be built, a tracking store that does not
-answer. Each is one line on stderr, exit status 2, and no run in any store. (Grid-file cases:
-tests/test_grid.py.)"""
+answer, a shared store without a shared queue. Each is one line on stderr, exit status 2, and no
+run in any store. (Grid-file cases: tests/test_grid.py.)"""
 
 from __future__ import annotations
 
@@ -81,3 +81,35 @@ def test_a_damaged_corpus_is_one_line_naming_the_file_and_trains_nothing(
         f"delete the folder to rebuild it (rm -r {root})"
     )
     assert list(results.iterdir()) == []  # no store, no run: checked before anything is tracked
+
+
+def test_a_store_other_machines_may_sweep_into_needs_a_queue_they_share(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Two machines on one tracking server, each with its own ``results/optuna.db``, would each
+    take over the other's running cells: the queue alone knows who trains what. The default
+    queue with such a store is one line, exit 2, before anything is built or written."""
+    from sweep.run.runner import check_one_queue
+    from sweep.store_urls import TrackingError
+
+    server = "http://tracking.example:5000"
+    for local in ("sqlite:////data/mlflow.db", (tmp_path / "mlruns").as_uri()):
+        check_one_queue(local, tmp_path)  # a file this machine holds: its own queue is enough
+    for shared in (server, "postgresql+psycopg://u:pw@db/mlflow", "databricks"):
+        with pytest.raises(TrackingError, match="must share its queue"):
+            check_one_queue(shared, tmp_path)
+
+    grid, results = tmp_path / "micro.yaml", tmp_path / "results"
+    grid.write_text(MICRO)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server)
+    monkeypatch.setattr("sweep.run.runner.check_reachable", lambda uri: None)  # as if it answered
+    monkeypatch.setenv("GATED_ATTN_CACHE", str(tmp_path / "cache"))
+    assert main(["sweep", "--grid", str(grid), "--results", str(results)]) == 2
+    err = capsys.readouterr().err
+    queue = f"sqlite:///{(results / 'optuna.db').resolve()}"
+    assert err == (
+        f"error: tracking store {server} may take sweeps from other machines, and every sweep into one "
+        "store must share its queue: give STORAGE=<a database they all reach> (docs/cluster.md), or "
+        f"STORAGE={queue} if this machine alone sweeps into it\n"
+    )
+    assert list(results.iterdir()) == [] and not (tmp_path / "cache").exists()

@@ -121,3 +121,46 @@ def test_without_a_store_the_command_is_one_line_and_creates_none(
     expected = f"error: tracking store {db} is missing: nothing to report (make sweep first)\n"
     assert capsys.readouterr().err == expected
     assert list(results.iterdir()) == []
+
+
+def test_rows_of_different_lengths_are_refused_in_one_line() -> None:
+    grid = load_grid(ROOT / "grids" / "table1.yaml")
+    short = curves()[~((curves()["row"] == "q48") & (curves()["step"] > 400))]
+    with pytest.raises(
+        ValueError, match=r"different numbers of steps \(baseline 800, q48 400, sdpa_elementwise 800\)"
+    ):
+        budget_table(grid, "tiny", short)
+
+
+def test_a_missing_reference_point_or_row_gives_dashes_not_a_crash() -> None:
+    grid = load_grid(ROOT / "grids" / "table1.yaml")
+    found = curves()
+    gapped = found[~((found["row"] == "q48") & (found["step"] == 400))]  # a validation not logged
+    table = budget_table(grid, "tiny", gapped)
+    assert set(table[table["id"] == "q48"]["fraction"]) == {0.25, 1.0}
+    text = budget_markdown(grid, "tiny", table, mean_curves(gapped, grid), "make budget", "")
+    assert "better at 25 %; — at 50 %; within noise at 100 %" in text
+    alone = found[found["row"] != "baseline"]  # G1 and q = 48 finished, the baseline not yet
+    text = budget_markdown(grid, "tiny", budget_table(grid, "tiny", alone), mean_curves(alone, grid), "x", "")
+    assert "| 5   | SDPA elementwise (G1)" in text and "flattened" not in text
+
+
+def test_too_few_validations_cannot_tell_and_one_step_is_read_once() -> None:
+    grid = load_grid(ROOT / "grids" / "table1.yaml")
+    two = curves()[curves()["step"] <= 200]
+    table = budget_table(grid, "tiny", two)
+    assert sorted(set(zip(table["fraction"], table["step"]))) == [(0.25, 100), (1.0, 200)]  # 25 and 50 %: 100
+    mean = mean_curves(two, grid)
+    assert math.isnan(flattened(mean.loc["baseline"])[0])
+    assert "cannot be told" in budget_markdown(grid, "tiny", table, mean, "x", "")
+
+
+def test_no_share_is_taken_of_a_gain_the_share_row_does_not_have() -> None:
+    grid = load_grid(ROOT / "grids" / "table1.yaml")
+    found = curves().copy()
+    late = (found["row"] == "sdpa_elementwise") & (found["step"] == 800)
+    found.loc[late, "value"] = [101.0, 99.0, 100.0]  # G1 within noise of the baseline at the end
+    table = budget_table(grid, "tiny", found).set_index(["id", "fraction"])
+    assert math.isnan(table.loc[("q48", 1.0), "share_of_gain"])
+    assert not math.isnan(table.loc[("q48", 0.5), "share_of_gain"])
+    assert side(0.0, math.nan, math.nan) == "same"

@@ -1,6 +1,5 @@
-"""Two processes on one store: a new store set up once, one queue for every sweep into a store,
-and a summary that says what each cell went through (finished, resumed, restarted, busy, killed,
-not started)."""
+"""Two processes on one store: a new store set up once, each cell trained once, and a summary that
+says what each cell went through (finished, resumed, restarted, busy, killed, not started)."""
 
 from __future__ import annotations
 
@@ -103,38 +102,6 @@ def test_the_set_up_lock_of_a_sqlite_store_sits_beside_its_file() -> None:
     assert sqlite_file("postgresql+psycopg://u:pw@db/mlflow") is None  # its server orders set-up
     assert sqlite_file("http://server:5000") is None
     assert sqlite_file("sqlite://") is None  # in memory: one process
-
-
-def test_a_store_other_machines_may_sweep_into_needs_a_queue_they_share(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
-) -> None:
-    """Two machines on one tracking server, each with its own ``results/optuna.db``, would each
-    take over the other's running cells: the queue alone knows who trains what. The default
-    queue with such a store is one line, exit 2, before anything is built or written."""
-    from sweep.run.runner import check_one_queue
-    from sweep.store_urls import TrackingError
-
-    server = "http://tracking.example:5000"
-    for local in ("sqlite:////data/mlflow.db", (tmp_path / "mlruns").as_uri()):
-        check_one_queue(local, tmp_path)  # a file this machine holds: its own queue is enough
-    for shared in (server, "postgresql+psycopg://u:pw@db/mlflow", "databricks"):
-        with pytest.raises(TrackingError, match="must share its queue"):
-            check_one_queue(shared, tmp_path)
-
-    grid, results = tmp_path / "micro.yaml", tmp_path / "results"
-    grid.write_text(MICRO)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", server)
-    monkeypatch.setattr("sweep.run.runner.check_reachable", lambda uri: None)  # as if it answered
-    monkeypatch.setenv("GATED_ATTN_CACHE", str(tmp_path / "cache"))
-    assert main(["sweep", "--grid", str(grid), "--results", str(results)]) == 2
-    err = capsys.readouterr().err
-    queue = f"sqlite:///{(results / 'optuna.db').resolve()}"
-    assert err == (
-        f"error: tracking store {server} may take sweeps from other machines, and every sweep into one "
-        "store must share its queue: give STORAGE=<a database they all reach> (docs/cluster.md), or "
-        f"STORAGE={queue} if this machine alone sweeps into it\n"
-    )
-    assert list(results.iterdir()) == [] and not (tmp_path / "cache").exists()
 
 
 def test_a_cell_whose_first_checkpoint_write_failed_restarts_and_says_so(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,16 @@ from mlflow import MlflowClient
 
 from sweep.cli import main
 from sweep.grid import Grid, load_grid
-from sweep.run.queue import Queue, enqueue_cells, open_queue, pop_cell, queue_outcomes, record, run_worker
+from sweep.run.queue import (
+    CLAIM_ATTR,
+    Queue,
+    enqueue_cells,
+    open_queue,
+    pop_cell,
+    queue_outcomes,
+    record,
+    run_worker,
+)
 from sweep.run.resume import worker_name
 from sweep.run.runner import SweepContext, prepare_sweep
 from sweep.signals import StopRequest
@@ -162,14 +172,18 @@ def test_a_dead_workers_cell_is_taken_over_and_resumed(repo_cache: None, tmp_pat
 
 def test_a_cell_enqueued_twice_is_trained_once(repo_cache: None, tmp_path: Path) -> None:
     """Two drivers enqueued one cell at the same moment, and the worker holding the older trial
-    died: the younger trial defers to the older one, which is taken over and trained once."""
+    (on another machine) died: the younger trial defers to the older one, which is taken over
+    once its heartbeat lapses and trained once."""
     q = queued(tmp_path, MICRO, "baseline")
     grid, cells, results, url, queue = q.grid, q.cells, q.results, q.url, q.queue
     enqueue_cells(queue, cells, q.ctx, force=False)
     attrs = {"run_key": cells[0].run_key, "row": "baseline", "seed": 0, "force": False}
     queue.study.enqueue_trial({}, user_attrs=attrs)  # the other driver, which saw no trial yet
     held = pop_cell(queue, {cells[0].run_key})
-    queue.storage.record_heartbeat(queue.trial_id(held))  # a worker took trial 0, then died
+    # a worker of another machine took trial 0, then died: its heartbeat lapses after 3 s
+    claim = {"trial": held.number, "worker": "gpu-node-7:4242", "started": "0"}
+    queue.storage.set_trial_user_attr(queue.trial_id(held), CLAIM_ATTR, claim)
+    queue.storage.record_heartbeat(queue.trial_id(held))
 
     quiet = lambda _line: None  # noqa: E731
     outcomes = run_worker(grid, cells, results, url, 1, ROOT / ".cache", StopRequest(), out=quiet)
@@ -242,3 +256,54 @@ def test_a_killed_cell_goes_back_into_the_queue_and_a_lapsed_trial_is_not_overwr
     again = pop_cell(queue, {cells[0].run_key})
     queue.storage.set_trial_state_values(queue.trial_id(again), state=optuna.trial.TrialState.FAIL)
     assert not record(queue, again, "finished", avg_ppl=1.0)  # failed by a stale check meanwhile
+
+
+def test_this_machines_workers_are_judged_by_their_process_not_their_heartbeat(tmp_path: Path) -> None:
+    """A live worker of this machine whose heartbeat lapsed (a laptop that slept) keeps its cell;
+    a dead one's cell goes back at once; a retry's copy, which inherits its failed trial's
+    claim, is not taken for a popped trial."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from sweep.run.queue import settle_this_machine
+
+    queue = open_queue("tiny", f"sqlite:///{tmp_path / 'optuna.db'}", heartbeat_s=1)
+    for key in ("live", "dead"):
+        queue.study.enqueue_trial({}, user_attrs={"run_key": key, "row": key, "seed": 0, "force": False})
+    live, dead = (pop_cell(queue, {key}) for key in ("live", "dead"))
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    try:
+        for trial, proc, started in (
+            (live, sleeper, psutil.Process(sleeper.pid).create_time()),
+            (dead, gone, time.time()),
+        ):
+            claim = {
+                "trial": trial.number,
+                "worker": f"{socket.gethostname()}:{proc.pid}",
+                "started": started,
+            }
+            queue.storage.set_trial_user_attr(queue.trial_id(trial), CLAIM_ATTR, claim)
+        time.sleep(3.5)  # both heartbeats are stale now (three 1 s beats)
+        settle_this_machine(queue)
+        optuna.storages.fail_stale_trials(queue.study)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    trials = {t.number: t for t in queue.study.get_trials()}
+    assert trials[live.number].state == optuna.trial.TrialState.RUNNING  # renewed: its worker lives
+    assert trials[dead.number].state == optuna.trial.TrialState.FAIL
+    (copy,) = [t for t in trials.values() if t.system_attrs.get("failed_trial") == dead.number]
+    assert copy.state == optuna.trial.TrialState.WAITING
+    assert copy.user_attrs[CLAIM_ATTR]["trial"] == dead.number  # inherited: not a claim of the copy
+    # A worker pops the copy; before it writes its own claim, the inherited one names the dead
+    # process: the copy is not failed for it.
+    copy_id = queue.trial_id(copy)
+    assert queue.storage.set_trial_state_values(copy_id, state=optuna.trial.TrialState.RUNNING)
+    queue.storage.record_heartbeat(copy_id)
+    settle_this_machine(queue)
+    assert queue.study.get_trials()[copy.number].state == optuna.trial.TrialState.RUNNING

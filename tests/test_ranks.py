@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 
-from sweep.run.ranks import RanksFailed, launch, node_commands
+from sweep.run.ranks import RanksFailed, end_orphan_ranks, launch, node_commands
 from tests.support import process_state, ranks_of
 
 pytestmark = pytest.mark.slow  # make test-all: processes, signals, faults
@@ -139,3 +140,21 @@ def test_a_cell_on_two_nodes_starts_one_torchrun_per_node_here_and_one_srun_in_a
     (srun,) = node_commands(job, 8, 16, "cell7")
     assert srun[:5] == ["srun", "--overlap", "--nodes=16", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     assert "--nnodes=16" in srun and "--nproc-per-node=8" in srun
+
+
+def test_a_dead_workers_hung_ranks_are_killed_and_nothing_else_that_names_the_folder(tmp_path: Path) -> None:
+    folder = tmp_path / "checkpoints" / "run1"
+    job = folder / ".ranks-abc" / "job.pkl"
+    hang = "import time; time.sleep(300)"
+    rank = subprocess.Popen([sys.executable, "-c", hang, "-m", "sweep.run.ranks", str(job)])
+    viewer = subprocess.Popen([sys.executable, "-c", hang, str(folder / "step5.ckpt")])  # tail -f, say
+    other = subprocess.Popen([sys.executable, "-c", hang, "sweep.run.ranks", str(tmp_path / ".ranks-x")])
+    try:
+        assert end_orphan_ranks(folder, wait_s=0.5) == [rank.pid]
+        assert process_state(rank.pid) is None  # killed and reaped
+        assert viewer.poll() is None and other.poll() is None  # left alone
+        assert end_orphan_ranks(folder, wait_s=0.5) == []  # none left: returns at once
+    finally:
+        for p in (rank, viewer, other):
+            p.kill()
+            p.wait()

@@ -1,5 +1,6 @@
 """Every sweep's cells go through one work queue in Optuna's RDB storage, one worker or many, on
-one machine or many: the one liveness rule (a cell is alive while its worker's heartbeat is).
+one machine or many: the one liveness rule (a cell is alive while its worker is: a process of
+this machine while it exists, another machine's while its heartbeat is fresh).
 
 ``make sweep WORKERS=N`` (``python -m sweep.cli sweep --workers N``) is the driver. It checks the
 tracking store, builds the corpora and creates the MLflow experiment before any worker starts;
@@ -14,9 +15,10 @@ A worker pops WAITING trials one at a time with Optuna's check-and-set
 it trains the cell with ``run_cell`` (a cell that died resumes from its checkpoint in its own
 MLflow run), and records the outcome on the trial. A dead worker stops beating; three heartbeats
 later the next worker that looks fails its trial and Optuna's ``RetryHeartbeatStaleTrialCallback``
-enqueues a copy, which another worker takes over (a dead worker of this machine at once,
-:func:`requeue_dead_here`). Workers leave when nothing is WAITING or RUNNING. A popped trial
-defers to an older one of the same cell (two drivers enqueued it at once). On many machines each
+enqueues a copy, which another worker takes over; a worker of this machine is judged by its
+process instead (:func:`settle_this_machine`: a dead one at once, a live one never). Workers
+leave when nothing is WAITING or RUNNING. A popped trial defers to an older one of the same
+cell (two drivers enqueued it at once). On many machines each
 runs the same ``make sweep`` with ``MLFLOW_TRACKING_URI`` and ``STORAGE`` at the shared servers
 (docs/resuming.md, "Many workers").
 """
@@ -40,7 +42,7 @@ from experiments.names import Outcome
 from sweep.grid import Cell, Grid
 from sweep.run.placement import job_nodes
 from sweep.run.progress import SweepClock
-from sweep.run.resume import STARTED_TAG, Heartbeat, alive_here, own_start, worker_name
+from sweep.run.resume import Heartbeat, alive_here, own_start, worker_name
 from sweep.run.runner import CellResult, SweepContext, prepare_sweep, run_cell
 from sweep.signals import StopRequest, child_preexec, wait_forwarding
 from sweep.store_urls import STORAGE_ENV, hide_password
@@ -53,6 +55,10 @@ IN_FLIGHT = (TrialState.WAITING, TrialState.RUNNING)
 #: -> the workers' names (``host:pid``) when known, else None (every outcome counts as this sweep's).
 Launcher = Callable[[list[str], int, StopRequest, Callable[[str], None]], "set[str] | None"]
 CELL_ATTRS = ("run_key", "row", "seed", "force")  # a queue trial's user attributes name its cell
+#: The user attribute of a popped trial: ``{"trial": its number, "worker": host:pid, "started":
+#: that process's start time}``. Optuna's retry copies a failed trial's attributes; the number
+#: tells a copy, not popped yet, from a trial its worker holds.
+CLAIM_ATTR = "claim"
 
 
 def queue_name(scale: str) -> str:
@@ -119,7 +125,8 @@ def pop_cell(
 
     ``set_trial_state_values(RUNNING)`` returns False for every process but the first, so one
     trial goes to exactly one worker (the same check-and-set as ``Study.ask``). Its first
-    heartbeat is recorded at once: Optuna never fails a RUNNING trial that has none."""
+    heartbeat is recorded at once: Optuna never fails a RUNNING trial that has none. Then its
+    :data:`CLAIM_ATTR` names this process."""
     parents = parents or {}
     pending = {t.user_attrs.get("run_key") for t in queue.in_flight()} if parents else set()
     for trial in queue.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
@@ -133,26 +140,31 @@ def pop_cell(
             if queue.storage.set_trial_state_values(trial_id, state=TrialState.RUNNING):
                 queue.storage.record_heartbeat(trial_id)
                 queue.storage.set_trial_user_attr(trial_id, "worker", worker_name())
-                queue.storage.set_trial_user_attr(trial_id, STARTED_TAG, own_start())
+                claim = {"trial": trial.number, "worker": worker_name(), "started": own_start()}
+                queue.storage.set_trial_user_attr(trial_id, CLAIM_ATTR, claim)
                 return trial
         except optuna.exceptions.UpdateFinishedTrialError:
             continue
     return None
 
 
-def requeue_dead_here(queue: Queue) -> None:
-    """Put back at once each RUNNING trial whose worker was a process of this machine that is
-    gone (``kill -9``, the OOM killer): its heartbeat would take three beats to lapse. A pid now
-    used by another process counts as gone (the trial's ``worker_started`` differs). The copy is
-    Optuna's retry, as for a stale heartbeat (at most ``MAX_RETRY`` per cell)."""
+def settle_this_machine(queue: Queue) -> None:
+    """Decide each RUNNING trial a process of this machine holds by that process, not by its
+    heartbeat: alive (its pid is there and started when its claim says), the heartbeat is renewed
+    (a machine that slept, a stalled heartbeat thread); gone (``kill -9``, the OOM killer, a
+    reused pid, or this very process, which trains nothing while it looks), the trial is failed
+    and put back at once by Optuna's retry, as for a stale heartbeat (``MAX_RETRY`` per cell).
+    Other machines' workers are left to their heartbeats (``fail_stale_trials``)."""
     here = socket.gethostname()
     for trial in queue.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        host, _, pid = trial.user_attrs.get("worker", "").rpartition(":")
-        if host != here or not pid.isdigit():
-            continue
-        if alive_here(int(pid), trial.user_attrs.get(STARTED_TAG)):
-            continue
+        claim = trial.user_attrs.get(CLAIM_ATTR) or {}
+        host, _, pid = str(claim.get("worker", "")).rpartition(":")
+        if claim.get("trial") != trial.number or host != here or not pid.isdigit():
+            continue  # not popped yet (a retry copies its failed trial's claim), or not ours
         trial_id = queue.trial_id(trial)
+        if claim["worker"] != worker_name() and alive_here(int(pid), claim.get("started")):
+            queue.storage.record_heartbeat(trial_id)
+            continue
         try:
             if not queue.storage.set_trial_state_values(trial_id, state=TrialState.FAIL):
                 continue
@@ -177,7 +189,7 @@ def record(
 ) -> bool:
     """Store the outcome (and the Avg PPL, as the trial's value) on the trial and end it:
     COMPLETE for a result, FAIL otherwise. A killed cell (Ctrl-C, a pre-empted machine), one not
-    started before a signal go straight back into the queue, for any worker still running.
+    started before a signal, go straight back into the queue, for any worker still running.
 
     Returns False when the trial was no longer this worker's: its heartbeat lapsed and another
     worker failed it (and took the cell over)."""
@@ -239,8 +251,8 @@ def drain(
     me = worker_name()
     outcomes: list[CellResult] = []
     while stop.signum is None:
+        settle_this_machine(queue)  # first: a live worker of this machine is never failed
         optuna.storages.fail_stale_trials(queue.study)  # a dead worker's cell goes back as WAITING
-        requeue_dead_here(queue)
         trial = pop_cell(queue, set(by_key), parents)
         if trial is None:
             if not {t.user_attrs.get("run_key") for t in queue.in_flight()} & set(by_key):

@@ -39,6 +39,8 @@ from typing import Any
 
 from sweep.signals import PREEMPTION, StopRequest, child_preexec, die_with_parent, wait_forwarding
 
+#: This module, as torchrun runs it (``-m``) in every rank.
+MODULE = "sweep.run.ranks"
 #: Threads per rank on CPU: the ranks already share the machine's cores.
 CPU_THREADS_PER_RANK = 1
 #: A scheduler's environment, which Lightning could read the ranks' places from (its
@@ -66,15 +68,19 @@ def rank_stop() -> StopRequest | None:
 
 
 def end_orphan_ranks(folder: Path, wait_s: float = 60.0) -> list[int]:
-    """Wait up to ``wait_s`` seconds for this machine's processes (torchrun, ranks) still running
-    a job of ``folder`` (a dead worker's cell's checkpoint folder: its torchrun takes up to 30 s
-    to stop its ranks, saved), then SIGKILL any left (hung: nobody waits for them). Returns the
-    pids killed."""
+    """Wait up to ``wait_s`` seconds for this machine's processes of a job of ``folder`` (a dead
+    worker's cell's checkpoint folder: its torchrun takes up to 30 s to stop its ranks, saved),
+    then SIGKILL any left (hung: nobody waits for them). A job's process is one whose command
+    line runs this module on a job file under ``folder`` (torchrun, srun, the ranks), nothing
+    else that names the folder. Returns the pids killed."""
     import psutil
+
+    job = f"{folder}{os.sep}.ranks-"
 
     def left() -> list[psutil.Process]:
         procs = psutil.process_iter(["pid", "cmdline"])
-        return [p for p in procs if any(str(folder) in arg for arg in p.info["cmdline"] or [])]
+        ours = [(p, p.info["cmdline"] or []) for p in procs]
+        return [p for p, cmd in ours if MODULE in cmd and any(a.startswith(job) for a in cmd)]
 
     deadline = time.monotonic() + wait_s
     while (found := left()) and time.monotonic() < deadline:
@@ -97,7 +103,7 @@ def torchrun_command(
     else:
         command += [f"--nnodes={nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}"]
         command.append(f"--rdzv-id={job_id or 'cell'}")
-    return [*command, "-m", "sweep.run.ranks", str(job)]
+    return [*command, "-m", MODULE, str(job)]
 
 
 def node_commands(job: Path, devices: int, nodes: int, job_id: str = "") -> list[list[str]]:

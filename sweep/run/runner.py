@@ -209,7 +209,7 @@ def run_cell(
         run_id = unfinished.info.run_id
         folder = checkpoint_dir(ctx.results_dir, tracker.experiment_name_of(unfinished), run_id)
         if killed := end_orphan_ranks(folder):
-            out(f"{prefix}: killed its dead worker's ranks (pids {', '.join(map(str, killed))}), hung 60 s")
+            out(f"{prefix} killed its dead worker's ranks (pids {', '.join(map(str, killed))}), hung 60 s")
     if unfinished is not None and (moved := placement_change(unfinished, cell)):
         out(f"{prefix} FAILED: {moved}")
         return CellResult(cell, Outcome.FAILED, note=moved)
