@@ -23,7 +23,7 @@ from experiments.names import Status
 from sweep.grid import Grid
 from sweep.report.curves import mean_curves, metric_curves
 from sweep.report.display import markdown_table
-from sweep.report.manifest import provenance, provenance_line
+from sweep.report.manifest import provenance, provenance_line, stage_manifest
 from sweep.report.publish import Staging
 from sweep.report.runs import finished_runs, one_arithmetic
 from sweep.report.tables import build_table
@@ -225,7 +225,7 @@ def budget_markdown(
 def write_budget(
     grid: Grid, scale: str, results_dir: Path, command: str, seeds: list[int] | None = None
 ) -> dict[str, Path]:
-    """Write ``<stem>_budget.{md,csv}`` from the finished runs' curves in the store.
+    """Write ``<stem>_budget.{md,csv}`` and its manifest from the finished runs' curves in the store.
 
     Raises:
         ValueError: no finished run of the grid at ``scale`` (with those seeds) is in the store.
@@ -242,4 +242,5 @@ def write_budget(
     with Staging(results_dir) as staging:
         staging.text(md, budget_markdown(grid, scale, table, mean_curves(curves, grid), command, origin))
         staging.text(csv, table.to_csv(index=False, float_format="%.6g"))
-    return {"md": md, "csv": csv}
+        manifest = stage_manifest(staging, md, command, [md, csv], runs)
+    return {"md": md, "csv": csv, "manifest": manifest}
