@@ -21,10 +21,9 @@ import lightning.pytorch as pl
 import psutil
 from lightning.pytorch.loggers import MLFlowLogger
 
-#: The tag (and queue trial attribute) that names the process training a run, ``host:pid``, and
-#: the trial attribute with that process's start time (unix seconds), which tells it apart from a
-#: later process given the same pid.
-WORKER_TAG, STARTED_TAG = "worker", "worker_started"
+#: The run tag that names the process training the run, or that trained it last: ``host:pid``
+#: (provenance; whether it is alive is the queue's to say).
+WORKER_TAG = "worker"
 
 
 def worker_name() -> str:
@@ -45,7 +44,7 @@ def process_start(pid: int) -> float | None:
 
 def alive_here(pid: int, recorded_start: str | None) -> bool:
     """Whether process ``pid`` of this machine is still the one that started at
-    ``recorded_start`` (a ``worker_started`` value; unknown: any process of that pid counts)."""
+    ``recorded_start`` (an :func:`own_start` value; unknown: any process of that pid counts)."""
     started = process_start(pid)
     if started is None:
         return False
@@ -53,7 +52,8 @@ def alive_here(pid: int, recorded_start: str | None) -> bool:
 
 
 def own_start() -> str:
-    """This process's ``worker_started`` value: its start time, unix seconds."""
+    """This process's start time, unix seconds (a queue claim's ``started``): it tells this
+    process apart from a later one given the same pid."""
     return f"{process_start(os.getpid()):.2f}"
 
 

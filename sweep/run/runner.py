@@ -104,7 +104,8 @@ def check_one_queue(uri: str, results_dir: Path) -> None:
     Raises:
         TrackingError: ``uri`` is neither a SQLite file nor a file store; one line.
     """
-    if uri.startswith(("sqlite:", "file:")) or "://" not in uri and uri != "databricks":
+    local_file = uri.startswith(("sqlite:", "file:")) or ("://" not in uri and uri != "databricks")
+    if local_file:  # a SQLite file, a file store, or a bare path (MLflow's file store)
         return
     raise TrackingError(
         f"tracking store {uri} may take sweeps from other machines, and every sweep into one store "
