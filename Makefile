@@ -176,9 +176,11 @@ servers-setup: $(STAMP)
 
 # the multi-machine recipe (docs/resuming.md) against a throwaway PostgreSQL and MLflow server on
 # localhost: two machines, a worker killed mid-cell, each cell one run with one process's losses
-# (tools/servers_check.py; about 1.5 min on 2 cores)
+# (tools/servers_check.py), then the fence: the queue's database frozen mid-cell, the cell stopped
+# saved and resumed (tools/fence_check.py); about 2.5 min on 2 cores
 servers-check: servers-setup
 	$(PY) -m tools.servers_check
+	$(PY) -m tools.fence_check
 
 # two runs or two rows of GRID side by side: RUNS=baseline,sdpa_elementwise (row ids) or run ids
 compare: $(STAMP)

@@ -3,6 +3,7 @@ cell taken over and resumed."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -19,6 +20,7 @@ from sweep.grid import Grid, load_grid
 from sweep.run.queue import (
     CLAIM_ATTR,
     Queue,
+    drain,
     enqueue_cells,
     open_queue,
     pop_cell,
@@ -307,3 +309,99 @@ def test_this_machines_workers_are_judged_by_their_process_not_their_heartbeat(t
     queue.storage.record_heartbeat(copy_id)
     settle_this_machine(queue)
     assert queue.study.get_trials()[copy.number].state == optuna.trial.TrialState.RUNNING
+
+
+def test_the_fence_stops_a_worker_whose_heartbeats_fail_or_hang_and_spares_one_whose_beats_land() -> None:
+    """No heartbeat recorded for two intervals (0.4 s here): the worker's stop request gets
+    SIGTERM, once, with a line; beats that land never trip it."""
+    import threading
+    import time
+
+    from sweep.run.resume import Heartbeat
+
+    lines: list[str] = []
+    hung = threading.Event()
+
+    def failing() -> None:
+        raise ConnectionError("server closed the connection unexpectedly")
+
+    for what, beat in (("failing", failing), ("hanging", lambda: hung.wait(30))):
+        stop, started = StopRequest(), time.monotonic()
+        with pytest.warns(UserWarning) if what == "failing" else contextlib.nullcontext():
+            with Heartbeat(beat, 0.2, what, stop, lines.append) as heart:
+                while stop.signum is None and time.monotonic() - started < 10:
+                    time.sleep(0.02)
+                tripped_after = time.monotonic() - started
+        assert heart.lapsed and stop.signum == signal.SIGTERM, what
+        assert 0.4 <= tripped_after < 3.0, (what, tripped_after)
+    hung.set()
+    beats: list[float] = []
+    stop = StopRequest()
+    with Heartbeat(lambda: beats.append(time.monotonic()), 0.2, "landing", stop, lines.append) as heart:
+        time.sleep(1.1)
+    assert not heart.lapsed and stop.signum is None and len(beats) >= 5
+    assert [line.split(":")[0] for line in lines] == ["failing", "hanging"]
+    assert "no heartbeat recorded for" in lines[0] and "before another worker takes it over" in lines[0]
+
+
+def test_a_worker_cut_off_from_the_queue_stops_its_cell_saved_and_the_next_resumes_it(
+    repo_cache: None, tmp_path: Path
+) -> None:
+    """The queue's database (one other machines reach) stops answering while a cell trains (the
+    tracking store still does): the fence stops the cell at a step's start with a checkpoint, the
+    run reads killed, the outcome cannot be recorded and the worker leaves without a traceback.
+    Once the database answers again the trial is put back and the next worker resumes the run:
+    every step once."""
+    import dataclasses
+    import time
+
+    q = queued(tmp_path, LONG_MICRO, "baseline")
+    assert not q.queue.shared  # a SQLite queue is this machine's: its live workers are never taken over
+    q.queue.shared = True  # as on a PostgreSQL queue other machines reach: the fence is on
+    enqueue_cells(q.queue, q.cells, q.ctx, force=False)
+    storage, cut = q.queue.storage, {"off": False}
+
+    def unreachable(real):
+        def call(*args, **kwargs):
+            if cut["off"]:
+                raise ConnectionError("could not connect to server: Connection timed out")
+            return real(*args, **kwargs)
+
+        return call
+
+    for name in ("record_heartbeat", "set_trial_user_attr", "set_trial_state_values"):
+        setattr(storage, name, unreachable(getattr(storage, name)))
+    from sweep.run.cell import StopOnRequest
+
+    real_hook = StopOnRequest.on_train_batch_start
+
+    def slow_steps(self, trainer, *args) -> None:  # 0.25 s a step; cut off after step 5's checkpoint
+        time.sleep(0.25)
+        cut["off"] = cut["off"] or trainer.global_step == 6
+        real_hook(self, trainer, *args)
+
+    lines: list[str] = []
+    ctx = dataclasses.replace(q.ctx, stop=StopRequest(), out=lines.append)
+    with pytest.MonkeyPatch.context() as mp, pytest.warns(UserWarning, match="heartbeat of"):
+        mp.setattr(StopOnRequest, "on_train_batch_start", slow_steps)
+        (cut_off,) = drain(q.queue, q.cells, ctx, heartbeat_s=1)
+    assert cut_off.status == "killed" and ctx.stop.signum == signal.SIGTERM
+    assert any("no heartbeat recorded for" in line for line in lines), lines
+    assert any(line.endswith("killed, not recorded in the queue (ConnectionError)") for line in lines), lines
+    (run,) = all_cell_runs(q.results)
+    stopped_at = int(Path(run.data.tags["checkpoint"]).stem.removeprefix("step"))
+    assert run.data.tags["status"] == "killed" and 8 <= stopped_at < LONG_STEPS
+    (held,) = queue_trials(q.results)
+    assert held.state == optuna.trial.TrialState.RUNNING  # nothing was recorded
+
+    cut["off"] = False  # the database answers again; the dead worker's claim names this process
+    later = dataclasses.replace(q.ctx, stop=StopRequest(), out=lines.append)
+    (resumed,) = drain(q.queue, q.cells, later, heartbeat_s=1)
+    assert resumed.status == "resumed"
+    (run,) = all_cell_runs(q.results)
+    assert run.data.tags["status"] == "finished"
+    client = MlflowClient(tracking_uri=f"sqlite:///{q.results / 'mlflow.db'}")
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert sorted(steps) == list(range(LONG_STEPS))
+    failed, retry = queue_trials(q.results)
+    assert failed.state == optuna.trial.TrialState.FAIL and retry.user_attrs["outcome"] == "resumed"

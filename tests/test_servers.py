@@ -65,3 +65,15 @@ def test_the_multi_machine_recipe_survives_a_killed_worker_on_real_servers() -> 
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "servers check passed" in done.stdout
+
+
+@needs_servers
+def test_a_worker_whose_queue_freezes_stops_its_cell_saved_and_a_rerun_resumes_it() -> None:
+    """``python -m tools.fence_check``: the PostgreSQL queue frozen (SIGSTOP) mid-cell; the fence
+    stops the cell saved within 15 s, the sweep exits 143, the rerun resumes it to the reference's
+    losses."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.fence_check"], cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "fence check passed" in done.stdout

@@ -264,18 +264,20 @@ def run_check(work: Path, out: Callable[[str], None] = print) -> int:
     return 1 if failures else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m tools.servers_check [--keep]``; see the module docstring."""
-    parser = argparse.ArgumentParser(prog="python -m tools.servers_check", description=__doc__.split("\n")[0])
+def run_in_temp(check: Callable[[Path], int], name: str, doc: str, argv: list[str] | None) -> int:
+    """``python -m tools.<name> [--keep]``: ``check`` run in a new temporary folder, removed at
+    the end unless ``--keep`` (or a failure) keeps it; exit 2 when PostgreSQL or psycopg is
+    missing."""
+    parser = argparse.ArgumentParser(prog=f"python -m tools.{name}", description=doc.split("\n")[0])
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder (logs, stores)")
     args = parser.parse_args(argv)
     why = missing()
     if why:
-        print(f"servers check: cannot run: {why}", file=sys.stderr)
+        print(f"{name.replace('_', ' ')}: cannot run: {why}", file=sys.stderr)
         return 2
-    work = Path(tempfile.mkdtemp(prefix="gated-servers-"))
+    work = Path(tempfile.mkdtemp(prefix=f"gated-{name.split('_')[0]}-"))
     try:
-        return run_check(work)
+        return check(work)
     except (ServerError, RuntimeError, subprocess.TimeoutExpired) as err:
         print(f"FAIL: {err} (logs in {work})", file=sys.stderr)
         args.keep = True
@@ -287,6 +289,11 @@ def main(argv: list[str] | None = None) -> int:
             import shutil
 
             shutil.rmtree(work, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tools.servers_check [--keep]``; see the module docstring."""
+    return run_in_temp(run_check, "servers_check", __doc__, argv)
 
 
 if __name__ == "__main__":

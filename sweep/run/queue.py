@@ -16,11 +16,12 @@ it trains the cell with ``run_cell`` (a cell that died resumes from its checkpoi
 MLflow run), and records the outcome on the trial. A dead worker stops beating; three heartbeats
 later the next worker that looks fails its trial and Optuna's ``RetryHeartbeatStaleTrialCallback``
 enqueues a copy, which another worker takes over; a worker of this machine is judged by its
-process instead (:func:`settle_this_machine`: a dead one at once, a live one never). Workers
-leave when nothing is WAITING or RUNNING. A popped trial defers to an older one of the same
-cell (two drivers enqueued it at once). On many machines each
-runs the same ``make sweep`` with ``MLFLOW_TRACKING_URI`` and ``STORAGE`` at the shared servers
-(docs/resuming.md, "Many workers").
+process instead (:func:`settle_this_machine`: a dead one at once, a live one never). On a queue
+other machines reach, a worker whose heartbeat goes unrecorded for two intervals stops its cell,
+saved, and leaves before anyone takes it over (the fence, :class:`~sweep.run.resume.Heartbeat`).
+Workers leave when nothing is WAITING or RUNNING; a popped trial defers to an older one of the
+same cell (two drivers enqueued it at once). On many machines each runs ``make sweep`` with
+``MLFLOW_TRACKING_URI`` and ``STORAGE`` at the shared servers (docs/resuming.md, "Many workers").
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class Queue:
     study: optuna.Study
     storage: optuna.storages.RDBStorage
     study_id: int
+    shared: bool = False  # other machines may reach it (not a SQLite file): the fence is on
 
     def trial_id(self, trial: FrozenTrial) -> int:
         return self.storage.get_trial_id_from_study_id_trial_number(self.study_id, trial.number)
@@ -88,7 +90,7 @@ def open_queue(scale: str, url: str, heartbeat_s: int) -> Queue:
     storage = make_storage(url, heartbeat_s, max_retry=MAX_RETRY)
     name = queue_name(scale)
     study = optuna.create_study(study_name=name, storage=storage, load_if_exists=True)
-    return Queue(study, storage, storage.get_study_id_from_name(name))
+    return Queue(study, storage, storage.get_study_id_from_name(name), not url.startswith("sqlite"))
 
 
 def enqueue_cells(queue: Queue, cells: list[Cell], ctx: SweepContext, force: bool) -> dict[str, int]:
@@ -114,14 +116,10 @@ def enqueue_cells(queue: Queue, cells: list[Cell], ctx: SweepContext, force: boo
     return wanted
 
 
-def pop_cell(
-    queue: Queue,
-    known: set[str],
-    parents: dict[str, str] | None = None,
-) -> FrozenTrial | None:
-    """Take one WAITING trial of a cell in ``known`` (set it RUNNING, its
-    ``worker`` attribute this process); None when there is none. A later stage (``parents``: its
-    run key -> its parent's) waits while its parent's cell is still queued or training.
+def pop_cell(queue: Queue, known: set[str], parents: dict[str, str] | None = None) -> FrozenTrial | None:
+    """Take one WAITING trial of a cell in ``known`` (set it RUNNING, its ``worker`` attribute
+    this process); None when there is none. A later stage (``parents``: its run key -> its
+    parent's) waits while its parent's cell is still queued or training.
 
     ``set_trial_state_values(RUNNING)`` returns False for every process but the first, so one
     trial goes to exactly one worker (the same check-and-set as ``Study.ask``). Its first
@@ -178,10 +176,8 @@ def settle_this_machine(queue: Queue) -> None:
 def older_twin(queue: Queue, trial: FrozenTrial) -> FrozenTrial | None:
     """An older WAITING or RUNNING trial of the same cell: that one trains it, not ``trial``."""
     key = trial.user_attrs["run_key"]
-    return next(
-        (t for t in queue.in_flight() if t.number < trial.number and t.user_attrs.get("run_key") == key),
-        None,
-    )
+    twins = [t for t in queue.in_flight() if t.number < trial.number and t.user_attrs.get("run_key") == key]
+    return twins[0] if twins else None
 
 
 def record(
@@ -197,11 +193,9 @@ def record(
     state = TrialState.COMPLETE if outcome in Outcome.RESULTS else TrialState.FAIL
     try:
         queue.storage.set_trial_user_attr(trial_id, "outcome", outcome)
-        queue.storage.set_trial_user_attr(trial_id, "worker", worker_name())
         if note:
             queue.storage.set_trial_user_attr(trial_id, "note", note[:2000])
-        values = [avg_ppl] if avg_ppl is not None else None
-        queue.storage.set_trial_state_values(trial_id, state=state, values=values)
+        queue.storage.set_trial_state_values(trial_id, state, None if avg_ppl is None else [avg_ppl])
     except optuna.exceptions.UpdateFinishedTrialError:
         return False
     if outcome in Outcome.REQUEUED:
@@ -275,11 +269,17 @@ def drain(
             record(queue, trial, Outcome.DUPLICATE, f"trial {twin.number} has this cell")
             continue
         beat = functools.partial(queue.storage.record_heartbeat, queue.trial_id(trial))
-        with Heartbeat(beat, heartbeat_s, f"trial {trial.number}"):
+        fence = stop if queue.shared else None  # on one machine no live worker is taken over
+        with Heartbeat(beat, heartbeat_s, f"{prefix}: trial {trial.number}", fence, out) as heart:
             outcome = run_cell(cell, ctx, prefix, clock, force=bool(trial.user_attrs.get("force")))
-        if not record(queue, trial, outcome.status, outcome.note, outcome.avg_ppl):
-            out(f"{prefix}: trial {trial.number} was taken over after its heartbeat lapsed")
         outcomes.append(outcome)
+        try:
+            if not record(queue, trial, outcome.status, outcome.note, outcome.avg_ppl):
+                out(f"{prefix}: trial {trial.number} was taken over after its heartbeat lapsed")
+        except Exception as err:  # the queue's database is gone: its trial goes stale, then back
+            if not heart.lapsed:
+                raise
+            out(f"{prefix}: {outcome.status}, not recorded in the queue ({type(err).__name__})")
     return outcomes
 
 

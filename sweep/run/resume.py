@@ -10,6 +10,7 @@ The training state itself is saved and found by ``experiments.checkpointing``; a
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
 import time
@@ -21,9 +22,14 @@ import lightning.pytorch as pl
 import psutil
 from lightning.pytorch.loggers import MLFlowLogger
 
+from sweep.signals import StopRequest
+
 #: The run tag that names the process training the run, or that trained it last: ``host:pid``
 #: (provenance; whether it is alive is the queue's to say).
 WORKER_TAG = "worker"
+#: Intervals without a recorded heartbeat before a worker stops its cell (:class:`Heartbeat`'s
+#: fence): one before the three after which another machine takes the cell over.
+LAPSE_BEATS = 2
 
 
 def worker_name() -> str:
@@ -58,31 +64,67 @@ def own_start() -> str:
 
 
 class Heartbeat:
-    """Calls ``beat`` now and then every ``interval`` seconds in a thread, while entered: a queue
-    worker renews its trial's heartbeat this way. A beat
-    that fails warns, and the next one tries again (a dropped connection must not end it).
+    """Calls ``beat`` at once and every ``interval`` seconds after, in a thread, while entered: a
+    queue worker renews its trial's heartbeat this way. A beat that fails warns, and the next one
+    tries again (a dropped connection must not end it); one that hangs is not stacked on.
+
+    The fence: once no beat has succeeded for :data:`LAPSE_BEATS` intervals (the queue's database
+    is unreachable, or its beats hang), ``stop`` gets SIGTERM, as from ``kill``: the cell stops at
+    its next step's start, saved, and the worker leaves. Other machines take a trial over once its
+    heartbeat is three intervals old (``sweep.studies.make_storage``), so the cell is saved and
+    stopped before another worker resumes it (one past its last step, in its final validation or
+    probes, has no step start left to stop at and runs to its end).
 
     Args:
         beat: records one heartbeat.
         interval: seconds between beats.
-        what: names the heartbeat in the warning (``trial 3``).
+        what: names the heartbeat in the lines said (``[host:pid] baseline s0: trial 3``).
+        stop: the worker's stop request, fenced as above (None: no fence).
+        out: where the fence's line goes.
     """
 
-    def __init__(self, beat: Callable[[], object], interval: float, what: str) -> None:
-        self.beat, self.interval, self.what = beat, interval, what
+    def __init__(
+        self,
+        beat: Callable[[], object],
+        interval: float,
+        what: str,
+        stop: StopRequest | None = None,
+        out: Callable[[str], None] = print,
+    ) -> None:
+        self.beat, self.interval, self.what, self.stop, self.out = beat, interval, what, stop, out
+        self.lapsed = False  # the fence stopped the cell
+        self._last_ok = time.monotonic()
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._beat, daemon=True)
+        self._thread = threading.Thread(target=self._watch, daemon=True)
 
     def _beat(self) -> None:
+        try:
+            self.beat()
+            self._last_ok = time.monotonic()
+        except Exception as err:
+            warnings.warn(f"heartbeat of {self.what} failed, retrying: {err}", stacklevel=1)
+
+    def _watch(self) -> None:
+        beating, due = None, 0.0
         while True:
-            try:
-                self.beat()
-            except Exception as err:
-                warnings.warn(f"heartbeat of {self.what} failed, retrying: {err}", stacklevel=1)
-            if self._done.wait(self.interval):
+            now = time.monotonic()
+            if now >= due and (beating is None or not beating.is_alive()):
+                beating = threading.Thread(target=self._beat, daemon=True)
+                beating.start()
+                due = now + self.interval
+            silent = now - self._last_ok
+            if self.stop is not None and not self.lapsed and silent > LAPSE_BEATS * self.interval:
+                self.lapsed = True
+                self.out(
+                    f"{self.what}: no heartbeat recorded for {silent:.0f} s (the queue's database "
+                    "does not answer): stopping the cell saved, before another worker takes it over"
+                )
+                self.stop.signum = self.stop.signum or signal.SIGTERM
+            if self._done.wait(min(self.interval, 1.0)):
                 return
 
     def __enter__(self) -> Heartbeat:
+        self._last_ok = time.monotonic()
         self._thread.start()
         return self
 
