@@ -38,6 +38,7 @@ from tools.servers_check import (
 )
 
 STEPS = 4000  # about 15 s at `tiny` on 2 cores: the fence trips (in 4-5 s) long before the end
+HEARTBEAT_S = 2
 FENCE_WAIT_S = 15.0
 KILLED = re.compile(r"KILLED: SIGTERM at step (\d+); saved (\S+step\d+\.ckpt)")
 
@@ -87,7 +88,7 @@ def run_check(work: Path, out: Callable[[str], None] = print) -> int:
     say(f"reference: one cell of {STEPS} steps in one process ({ref})")
     results, log, failures = work / "machine" / "results", work / "sweep.log", []
     with postgres(["optuna"]) as urls:
-        command = [*sweep_command(grid, results, urls["optuna"]), *rows]
+        command = [*sweep_command(grid, results, urls["optuna"], HEARTBEAT_S), *rows]
         say(f"queue on {urls['optuna']}, tracking on {results / 'mlflow.db'}")
         sweep = start(command, environment(None), log)
         while not any(results.glob("checkpoints/*/*/step*.ckpt")):

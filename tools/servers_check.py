@@ -6,9 +6,10 @@
 3. Runs the recipe's command on two "machines" at once, each in its own results folder, with
    ``MLFLOW_TRACKING_URI`` set to the server and ``--storage`` to the Optuna database:
    ``python -m sweep.cli sweep --grid G --scale tiny --workers 1 --storage postgresql+psycopg://...``
-   (what ``make sweep WORKERS=1 STORAGE=...`` runs; ``--heartbeat 2`` so that a dead worker's cell
-   is taken over in seconds, not minutes). Their ``results/checkpoints`` is one shared folder,
-   as the recipe asks for a cell to resume on another machine.
+   (what ``make sweep WORKERS=1 STORAGE=...`` runs, with ``--heartbeat 5``; both "machines" are
+   this host, so a dead worker's cell is taken over at once, by its pid). Their
+   ``results/checkpoints`` is one shared folder, as the recipe asks for a cell to resume on
+   another machine.
 4. Once some worker's cell has a checkpoint, SIGKILLs that worker mid-cell (with ``--workers 1``
    the machine's sweep itself, whose one worker runs in its process); the same command is
    started again on that machine, as a person would.
@@ -57,17 +58,19 @@ rows:
   - {{id: moe, label: "MoE FFN, 4 experts top-2", model: {{moe: {{n_experts: 4, top_k: 2, expert_dim: 16}}}}}}
 """
 EXPERIMENT = "servers-tiny"
-HEARTBEAT_S = 2
+HEARTBEAT_S = 5  # a worker's fence trips after 10 s without one: not under load on 2 cores
 TRAINED = ("finished", "resumed", "restarted")  # queue outcomes of a trial that trained its cell
 
 
-def sweep_command(grid: Path, results: Path, storage: str | None) -> list[str]:
+def sweep_command(
+    grid: Path, results: Path, storage: str | None, heartbeat_s: int = HEARTBEAT_S
+) -> list[str]:
     """The recipe's command (``make sweep WORKERS=1 STORAGE=...``) into ``results``; without
     ``storage``, the one-process sweep on the default SQLite stores."""
     command = [sys.executable, "-m", "sweep.cli", "sweep", "--grid", str(grid), "--scale", "tiny"]
     command += ["--results", str(results)]
     if storage:
-        command += ["--workers", "1", "--storage", storage, "--heartbeat", str(HEARTBEAT_S)]
+        command += ["--workers", "1", "--storage", storage, "--heartbeat", str(heartbeat_s)]
     return command
 
 

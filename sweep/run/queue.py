@@ -52,8 +52,7 @@ from sweep.studies import make_storage
 POLL_S = 2.0  # how often an idle worker looks for work or for a dead worker's cell
 MAX_RETRY = 3  # takeovers of one cell before it is left failed (a cell that kills its worker)
 IN_FLIGHT = (TrialState.WAITING, TrialState.RUNNING)
-#: Starts the workers' command ``count`` times and waits for them: ``(command, count, stop, out)``
-#: -> the workers' names (``host:pid``) when known, else None (every outcome counts as this sweep's).
+#: Starts the workers' command ``count`` times, waits for them, returns their names (``host:pid``) or None.
 Launcher = Callable[[list[str], int, StopRequest, Callable[[str], None]], "set[str] | None"]
 CELL_ATTRS = ("run_key", "row", "seed", "force")  # a queue trial's user attributes name its cell
 #: The user attribute of a popped trial: ``{"trial": its number, "worker": host:pid, "started":
@@ -117,9 +116,8 @@ def enqueue_cells(queue: Queue, cells: list[Cell], ctx: SweepContext, force: boo
 
 
 def pop_cell(queue: Queue, known: set[str], parents: dict[str, str] | None = None) -> FrozenTrial | None:
-    """Take one WAITING trial of a cell in ``known`` (set it RUNNING, its ``worker`` attribute
-    this process); None when there is none. A later stage (``parents``: its run key -> its
-    parent's) waits while its parent's cell is still queued or training.
+    """Take one WAITING trial of a cell in ``known`` (RUNNING, its ``worker`` this process), or
+    None. A later stage (``parents``: run key -> its parent's) waits while its parent's is in flight.
 
     ``set_trial_state_values(RUNNING)`` returns False for every process but the first, so one
     trial goes to exactly one worker (the same check-and-set as ``Study.ask``). Its first
@@ -237,9 +235,7 @@ def drain(
     sweep's own process (``WORKERS=1``): its lines number the cells ``[i/n]``. Like any worker
     it waits for the cells other workers of this queue train (one of them may die)."""
     stop, out = ctx.stop, ctx.out
-    by_key: dict[str, Cell] = {}  # the first cell of each config, as the driver enqueued it
-    for cell in cells:
-        by_key.setdefault(cell.run_key, cell)
+    by_key = {c.run_key: c for c in reversed(cells)}  # the first cell of each config, as enqueued
     parents = {c.run_key: c.parent.run_key for c in cells if c.parent is not None}
     clock = SweepClock(alone or len(by_key))
     me = worker_name()
@@ -247,7 +243,7 @@ def drain(
     while stop.signum is None:
         settle_this_machine(queue)  # first: a live worker of this machine is never failed
         optuna.storages.fail_stale_trials(queue.study)  # a dead worker's cell goes back as WAITING
-        trial = pop_cell(queue, set(by_key), parents)
+        popped, trial = time.monotonic(), pop_cell(queue, set(by_key), parents)
         if trial is None:
             if not {t.user_attrs.get("run_key") for t in queue.in_flight()} & set(by_key):
                 break
@@ -270,7 +266,7 @@ def drain(
             continue
         beat = functools.partial(queue.storage.record_heartbeat, queue.trial_id(trial))
         fence = stop if queue.shared else None  # on one machine no live worker is taken over
-        with Heartbeat(beat, heartbeat_s, f"{prefix}: trial {trial.number}", fence, out) as heart:
+        with Heartbeat(beat, heartbeat_s, f"{prefix}: trial {trial.number}", fence, out, popped) as heart:
             outcome = run_cell(cell, ctx, prefix, clock, force=bool(trial.user_attrs.get("force")))
         outcomes.append(outcome)
         try:
@@ -299,16 +295,14 @@ def run_queued_sweep(
     default_queue: bool = False,
 ) -> list[CellResult]:
     """The driver: prepare, enqueue, start ``workers`` workers, wait, and return one
-    :class:`CellResult` per cell (read back from the queue).
-
-    ``worker_args`` are the ``sweep.cli worker`` arguments that name the same grid, scale, seeds,
-    rows, results folder and storage. ``launch`` starts the workers and waits for them
-    (:func:`start_processes` by default; :class:`sweep.run.slurm.SubmititLauncher` for cluster
-    jobs). One local worker runs in this process (:func:`drain` ``alone``): a worker process would
-    import torch, Lightning, MLflow and Optuna again. SIGINT and SIGTERM reach the workers, each
-    saves its cell and marks it killed. ``default_queue``: ``url`` is the results folder's own
-    queue, not one the user named (see :func:`sweep.run.runner.check_one_queue`).
-    """
+    :class:`CellResult` per cell (read back from the queue). ``worker_args``: the ``sweep.cli
+    worker`` arguments that name the same grid, scale, seeds, rows, results folder and storage.
+    ``launch`` starts the workers and waits for them (:func:`start_processes` by default;
+    :class:`sweep.run.slurm.SubmititLauncher` for cluster jobs). One local worker runs in this
+    process (:func:`drain` ``alone``), not importing torch, Lightning, MLflow and Optuna again.
+    SIGINT and SIGTERM reach the workers; each saves its cell and marks it killed.
+    ``default_queue``: ``url`` is the results folder's own queue, not one the user named (see
+    :func:`sweep.run.runner.check_one_queue`)."""
     nodes = None if launch else 1
     ctx = prepare_sweep(grid, cells, results_dir, cache_root, stop, out, nodes, default_queue)
     queue = open_queue(cells[0].scale, url, heartbeat_s)
@@ -323,8 +317,15 @@ def run_queued_sweep(
     )
     count = workers if wanted and stop.signum is None else 0
     if count == 1 and launch is None:
-        drain(queue, cells, ctx, heartbeat_s, alone=len(wanted))
-        return queue_outcomes(queue, cells, wanted, ctx, {worker_name()})
+        mine = {o.cell.run_key: o for o in drain(queue, cells, ctx, heartbeat_s, alone=len(wanted))}
+        try:
+            found = queue_outcomes(queue, cells, wanted, ctx, {worker_name()})
+        except Exception:  # the fence stopped the worker: the queue's database still does not answer
+            if stop.signum is None:
+                raise
+            return list(mine.values())
+        # an outcome the fence kept from being recorded: as this worker saw it
+        return [mine.get(o.cell.run_key, o) if o.status == Outcome.NOT_STARTED else o for o in found]
     command = [sys.executable, "-m", "sweep.cli", "worker", *worker_args]  # each pins its threads
     env = {STORAGE_ENV: url}  # not in the command line, which every user of the machine can read
     own = (launch or start_processes)(command, count, stop, out, env) if count else set()
@@ -352,13 +353,12 @@ def start_processes(
 def queue_outcomes(
     queue: Queue, cells: list[Cell], wanted: dict[str, int], ctx: SweepContext, own: set[str] | None = None
 ) -> list[CellResult]:
-    """One outcome per cell: skipped (a result before this sweep), or the last
-    outcome a worker recorded on one of its trials from ``wanted[run_key]`` on (trial numbers,
-    not clocks: the workers may be on other machines), where ``skipped`` never replaces an
-    earlier outcome (two machines' drivers enqueued the cell: the younger trial, taken after the
-    older one's result, only finds that result). With ``own`` (this sweep's workers,
-    ``host:pid``), a cell another sweep's worker took reads ``skipped``, its note saying who and
-    what: the summary counts what this sweep did."""
+    """One outcome per cell: skipped (a result before this sweep), or the last outcome a worker
+    recorded on one of its trials from ``wanted[run_key]`` on (trial numbers, not clocks: the
+    workers may be on other machines); ``skipped`` never replaces an earlier outcome (a younger
+    twin, taken after the older one's result, only finds that result). With ``own`` (this
+    sweep's workers, ``host:pid``), a cell another sweep's worker took reads ``skipped``, its note
+    saying who and what: the summary counts what this sweep did."""
     last: dict[str, FrozenTrial] = {}
     for t in queue.study.get_trials(deepcopy=False):  # in trial-number order
         key, recorded = t.user_attrs.get("run_key"), t.user_attrs.get("outcome")

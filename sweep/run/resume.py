@@ -68,12 +68,14 @@ class Heartbeat:
     queue worker renews its trial's heartbeat this way. A beat that fails warns, and the next one
     tries again (a dropped connection must not end it); one that hangs is not stacked on.
 
-    The fence: once no beat has succeeded for :data:`LAPSE_BEATS` intervals (the queue's database
-    is unreachable, or its beats hang), ``stop`` gets SIGTERM, as from ``kill``: the cell stops at
+    The fence: once :data:`LAPSE_BEATS` intervals have passed since the start of the last beat
+    that succeeded (or since ``since``, the claim's own first beat), because the queue's database
+    is unreachable or its calls hang, ``stop`` gets SIGTERM, as from ``kill``: the cell stops at
     its next step's start, saved, and the worker leaves. Other machines take a trial over once its
-    heartbeat is three intervals old (``sweep.studies.make_storage``), so the cell is saved and
-    stopped before another worker resumes it (one past its last step, in its final validation or
-    probes, has no step start left to stop at and runs to its end).
+    heartbeat is three intervals old (``sweep.studies.make_storage``): a cell whose next step
+    starts within that last interval (30 s by default) is saved and stopped before anyone resumes
+    it. What runs longer is not cut short: a validation, the probes, the final ones of a cell past
+    its last step.
 
     Args:
         beat: records one heartbeat.
@@ -81,6 +83,8 @@ class Heartbeat:
         what: names the heartbeat in the lines said (``[host:pid] baseline s0: trial 3``).
         stop: the worker's stop request, fenced as above (None: no fence).
         out: where the fence's line goes.
+        since: ``time.monotonic()`` when the trial's first heartbeat was recorded (default: on
+            entering).
     """
 
     def __init__(
@@ -90,17 +94,20 @@ class Heartbeat:
         what: str,
         stop: StopRequest | None = None,
         out: Callable[[str], None] = print,
+        since: float | None = None,
     ) -> None:
         self.beat, self.interval, self.what, self.stop, self.out = beat, interval, what, stop, out
         self.lapsed = False  # the fence stopped the cell
+        self._since = since
         self._last_ok = time.monotonic()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
     def _beat(self) -> None:
+        started = time.monotonic()  # the store dates the beat about then, however long it took
         try:
             self.beat()
-            self._last_ok = time.monotonic()
+            self._last_ok = max(self._last_ok, started)
         except Exception as err:
             warnings.warn(f"heartbeat of {self.what} failed, retrying: {err}", stacklevel=1)
 
@@ -108,11 +115,7 @@ class Heartbeat:
         beating, due = None, 0.0
         while True:
             now = time.monotonic()
-            if now >= due and (beating is None or not beating.is_alive()):
-                beating = threading.Thread(target=self._beat, daemon=True)
-                beating.start()
-                due = now + self.interval
-            silent = now - self._last_ok
+            silent = now - self._last_ok  # before this round's beat: ``since`` may be long past
             if self.stop is not None and not self.lapsed and silent > LAPSE_BEATS * self.interval:
                 self.lapsed = True
                 self.out(
@@ -120,11 +123,15 @@ class Heartbeat:
                     "does not answer): stopping the cell saved, before another worker takes it over"
                 )
                 self.stop.signum = self.stop.signum or signal.SIGTERM
-            if self._done.wait(min(self.interval, 1.0)):
+            if now >= due and (beating is None or not beating.is_alive()):
+                beating = threading.Thread(target=self._beat, daemon=True)
+                beating.start()
+                due = now + self.interval
+            if self._done.wait(min(self.interval / 4, 1.0)):
                 return
 
     def __enter__(self) -> Heartbeat:
-        self._last_ok = time.monotonic()
+        self._last_ok = time.monotonic() if self._since is None else self._since
         self._thread.start()
         return self
 
