@@ -30,6 +30,7 @@ from tools.servers_check import (
     ROOT,
     cell_runs,
     environment,
+    first_checkpoint,
     loss_history,
     run_in_temp,
     same_losses,
@@ -91,10 +92,7 @@ def run_check(work: Path, out: Callable[[str], None] = print) -> int:
         command = [*sweep_command(grid, results, urls["optuna"], HEARTBEAT_S), *rows]
         say(f"queue on {urls['optuna']}, tracking on {results / 'mlflow.db'}")
         sweep = start(command, environment(None), log)
-        while not any(results.glob("checkpoints/*/*/step*.ckpt")):
-            if sweep.poll() is not None:
-                raise RuntimeError(f"the sweep ended before its first checkpoint (its log: {log})")
-            time.sleep(0.05)
+        first_checkpoint(results / "checkpoints", [sweep])
         frozen = postgres_processes(urls["optuna"].rsplit(":", 1)[1].split("/")[0])
         for proc in frozen:
             proc.suspend()
