@@ -286,7 +286,12 @@ class TrainConfig:
     log_every: int = 1
     """Log training metrics every N steps."""
     precision: Literal["auto", "32-true", "bf16-mixed"] = "auto"
-    """``auto``: bf16-mixed on CUDA, fp32 on CPU."""
+    """``auto``: bf16-mixed on a CUDA GPU with native bf16 (fp16-mixed on an older one), fp32 on
+    CPU (``experiments.devices.auto_precision``)."""
+    compile: bool = False
+    """Train and validate through ``torch.compile`` (the model and its loss as one graph, no graph
+    breaks in bf16 or fp32). On at the GPU scales; off at the CPU scales, where compiling costs
+    more than it saves (docs/performance.md) and would move the committed numbers."""
     probe_seqs: int = 4
     """Probe batch: this many ``seq_len`` windows from the start of each domain's test split."""
     probe_every: int = 0
@@ -310,9 +315,9 @@ class TrainConfig:
     """Micro-batches each process accumulates per optimiser step (``accumulate_grad_batches``). A
     MoE's global-batch balancing then spans one micro-batch of every rank, not the whole step."""
 
-    #: Where a run trains, not what it trains: left out of the cell's ``run_key``, so one grid
-    #: names the same cells on a laptop and on a cluster (the global batch is what counts).
-    PLACEMENT: ClassVar[tuple[str, ...]] = ("devices", "num_nodes", "strategy", "grad_accum")
+    #: Where and how a run trains, not what it trains: left out of the cell's ``run_key``, so one
+    #: grid names the same cells on a laptop and on a cluster (the global batch is what counts).
+    PLACEMENT: ClassVar[tuple[str, ...]] = ("devices", "num_nodes", "strategy", "grad_accum", "compile")
 
     @property
     def world_size(self) -> int:

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import math
-import random
 import time
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,11 +13,20 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from experiments import names as N
 from experiments.config import RunConfig, TrainConfig
+from experiments.devices import autocast_dtype, rng_state, scoring_precision, set_rng_state
 from experiments.init_stats import init_statistics
 from experiments.model import GatedLM, count_active_parameters, count_parameters
-from experiments.moe import MoEFFN, RouterStats, auxiliary_loss, carry_balance, mean_load_cv, router_stats
+from experiments.moe import (
+    MoEFFN,
+    RouterStats,
+    auxiliary_loss,
+    carry_balance,
+    choose_experts_path,
+    mean_load_cv,
+    router_stats,
+)
 from experiments.probes import ProbeResult, run_probes
-from experiments.stability import Diverged, SpikeDetector, check_divergence, divergence_bound
+from experiments.stability import DeferredChecks, SpikeDetector, divergence_bound
 
 INIT_PROBE_SEQS = 8  # probe sequences the step-0 gate statistics read
 
@@ -34,41 +41,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return cfg.max_lr * (step + 1) / cfg.warmup_steps
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
     return cfg.min_lr + 0.5 * (cfg.max_lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
-
-
-def rng_state() -> dict:
-    """Python, NumPy, torch CPU and (when present) CUDA generator states, in a form
-    ``torch.load(weights_only=True)`` accepts (tensors, ints, strings, lists)."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    version, internal, gauss_next = random.getstate()
-    state = {
-        "python": [version, list(internal), gauss_next],
-        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    """Restore what :func:`rng_state` returned. :class:`LMModule` does it at the first step of a
-    resumed run, where the checkpoint was saved (a step's start, the loaders already iterating),
-    so the run draws from there what it would have drawn without the interruption."""
-    version, internal, gauss_next = state["python"]
-    random.setstate((version, tuple(internal), gauss_next))
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def auto_precision(requested: str) -> str:
-    """``bf16-mixed`` on CUDA, ``32-true`` on CPU, unless the config names one."""
-    if requested != "auto":
-        return requested
-    return "bf16-mixed" if torch.cuda.is_available() else "32-true"
 
 
 class LMModule(pl.LightningModule):
@@ -87,13 +59,19 @@ class LMModule(pl.LightningModule):
     had. ``train/loss`` at step k is the loss of the weights after k updates (on the batch of the
     next one); a validation or probe after k updates is at step k, the last at ``train.max_steps``.
 
-    Every step's loss is checked: a loss spike (``experiments.stability``) is logged at once as
-    ``stability/spike`` (value: the loss, step: the step); a diverged loss raises
-    :class:`~experiments.stability.Diverged` before the backward pass, so no optimiser step is
-    taken on it, nor on a non-finite gradient norm. With ``probe_tokens`` and
+    Every step's loss is checked (:class:`~experiments.stability.DeferredChecks`): a loss spike
+    (``experiments.stability``) is logged as ``stability/spike`` (value: the loss, step: the
+    step); a diverged loss or a non-finite gradient norm raises
+    :class:`~experiments.stability.Diverged`. The figures stay on the device between checks, read
+    together every ``train.log_every`` steps (no host sync in between): at ``log_every: 1`` a
+    diverged loss raises before its backward pass and a non-finite gradient before its optimiser
+    step; with larger values a non-finite gradient's update is skipped on the device and the
+    divergence raised at the next check. With ``probe_tokens`` and
     ``train.probe_every`` > 0, the probes of ``experiments.probes`` run after every
     ``probe_every``-th validation and log beside its ``val/*`` metrics (same step), except at the
-    last step, which the sweep probes once after training.
+    last step, which the sweep probes once after training. With ``train.compile`` the loss (model
+    and cross-entropy) is one ``torch.compile``d graph in training and validation; the probes
+    and scores run the eager model.
 
     Under data parallelism (DDP ranks under torchrun, ``sweep.run.ranks``) the training figures are the global
     batch's (losses averaged over the ranks, so every rank takes the same divergence decision;
@@ -114,6 +92,12 @@ class LMModule(pl.LightningModule):
         self.probe_tokens = probe_tokens
         self.spikes = SpikeDetector(cfg.train.spike_window, cfg.train.spike_z)
         self.diverge_bound = divergence_bound(cfg.model.vocab_size, cfg.train.diverge_factor)
+        self.checks = DeferredChecks(self.spikes, self.diverge_bound)
+        #: Moving average (weight 0.9 on the past) of the training losses read so far, for progress lines.
+        self.loss_ema: float | None = None
+        #: Seconds of this fit's first step (with ``train.compile``, mostly compiling); None before it.
+        self.first_step_seconds: float | None = None
+        self._compiled = torch.compile(next_token_loss) if cfg.train.compile else None
         self.validations = 0
         self.n_params = count_parameters(self.model)
         self.n_active_params = count_active_parameters(self.model)
@@ -121,7 +105,9 @@ class LMModule(pl.LightningModule):
         self.last_val_step = -1
         self._nll_sum = torch.zeros(len(self.domains), dtype=torch.float64)
         self._tok_count = torch.zeros(len(self.domains), dtype=torch.float64)
+        self._val_nll: list[list[torch.Tensor]] = []  # per domain, each batch's summed NLL on the device
         self._step_clock = 0.0
+        self._window: tuple[float, int] | None = None  # (clock, steps) since the last check
         self._pending: dict[str, torch.Tensor] = {}  # the optimiser step's figures so far
         self._resumed_rng: dict | None = None
 
@@ -130,9 +116,9 @@ class LMModule(pl.LightningModule):
         return self.model(tokens)
 
     def loss(self, batch: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        """Next-token cross-entropy (nats) of (B, T + 1) token windows: mean, or ``sum`` over tokens."""
-        logits = self.model(batch[:, :-1])
-        return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction=reduction)
+        """Next-token cross-entropy (nats) of (B, T + 1) token windows: mean, or ``sum`` over tokens;
+        compiled with ``train.compile``."""
+        return (self._compiled or next_token_loss)(self.model, batch, reduction)
 
     def auxiliary(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[RouterStats]] | None:
         """The MoE router losses of the last forward (:func:`~experiments.moe.auxiliary_loss`:
@@ -155,16 +141,35 @@ class LMModule(pl.LightningModule):
         )
         step = self._step_means(figures, batch_idx)
         if step is not None:  # the step's last micro-batch: the global batch's figures, on every rank
-            value = float(step[N.TRAIN_LOSS])
-            check_divergence(self.global_step, value, self.diverge_bound)  # every rank stops together
-            if self.spikes.update(self.global_step, value):
-                self._log_at_step({N.SPIKE: value})
+            self._step_lr = self.lr_schedulers().get_last_lr()[0]  # Lightning steps it before batch end
+            self.checks.add_loss(self.global_step, step[N.TRAIN_LOSS])
+            if self._check_due():  # every rank reads the same values: all stop together
+                self._check()
             for name, mean in step.items():
                 self.log(name, mean, on_step=True, logger=True)
-            self.log(N.TRAIN_LR, self.lr_schedulers().get_last_lr()[0], on_step=True, logger=True)
             if aux is not None:
                 self.log(N.MOE_LOAD_CV, mean_load_cv(aux[3]), on_step=True, logger=True)
         return loss if aux is None else loss + aux[0]
+
+    def _check_due(self) -> bool:
+        """Whether this optimiser step reads the queued figures: the last of every
+        ``train.log_every`` steps (where Lightning logs), and the last step."""
+        step = self.global_step + 1
+        return step % self.cfg.train.log_every == 0 or step >= self.cfg.train.max_steps
+
+    def _check(self, strict: bool = True) -> None:
+        """Read and check the queued figures (:class:`~experiments.stability.DeferredChecks`), log
+        the spikes among them at their steps, and update :attr:`loss_ema`."""
+        seen = len(self.spikes.spikes)
+        for _, value in self.checks.check(strict):
+            self.loss_ema = value if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * value
+        for spike_step, value in self.spikes.spikes[seen:]:
+            self._log_at_step({N.SPIKE: value}, spike_step)
+
+    def flush_checks(self) -> None:
+        """Feed every figure still queued to the spike detector, without raising (a fit that
+        ended by an exception: its spikes so far are data)."""
+        self._check(strict=False)
 
     def _step_means(self, figures: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor] | None:
         """Add a micro-batch's 0-d ``figures`` (averaged over the ranks) to its optimiser step's;
@@ -187,11 +192,21 @@ class LMModule(pl.LightningModule):
     def on_fit_start(self) -> None:
         """Log the gate's statistics at initialisation (``experiments.init_stats``) at step 0, on
         the first :data:`INIT_PROBE_SEQS` probe sequences; a resumed fit has logged them already."""
+        dtype = autocast_dtype(self.trainer.precision) or torch.float32
+        for m in self.model.modules():  # before any compiled forward: the path is fixed in the graph
+            if isinstance(m, MoEFFN) and m.experts_path is None:
+                choose_experts_path(m, self.device, dtype)
         if self.global_step == 0 and self.probe_tokens is not None and self.logger is not None:
             tokens = self.probe_tokens[:INIT_PROBE_SEQS].to(self.device)
-            stats = init_statistics(self.model, tokens)  # on every rank: a MoE forward all-reduces
+            with scoring_precision(self.device):  # on every rank: a MoE forward all-reduces
+                stats = init_statistics(self.model, tokens)
             if stats:
                 self._log_at_step(stats)
+
+    def experts_paths(self) -> list[str]:
+        """How the MoE layers' experts ran (``grouped_mm``, or ``looped: <why>``); [] for a dense model."""
+        layers = [m for m in self.model.modules() if isinstance(m, MoEFFN)]
+        return sorted({m.experts_path for m in layers if m.experts_path})
 
     def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> None:
         if self._resumed_rng is not None:  # the state saved at the start of this same step
@@ -199,43 +214,66 @@ class LMModule(pl.LightningModule):
             self._resumed_rng = None
         if batch_idx % self.trainer.accumulate_grad_batches == 0:  # a step's first micro-batch
             self._pending = {}
-            self._step_clock = time.perf_counter()  # per step, so validation time is never counted
+            self._step_clock = time.perf_counter()
+            if self._window is None:  # per window of steps, so validation time is never counted
+                self._window = (self._step_clock, 0)
 
     def on_train_batch_end(self, outputs, batch: torch.Tensor, batch_idx: int) -> None:
         accum = self.trainer.accumulate_grad_batches
         if (batch_idx + 1) % accum:
             return
-        seconds = time.perf_counter() - self._step_clock
-        tokens = batch[:, 1:].numel() * self.trainer.world_size * accum  # the global batch's
-        self.log(N.TRAIN_TOKENS_PER_S, tokens / max(seconds, 1e-9), on_step=True, logger=True)
+        step = self.global_step - 1  # the optimiser step just taken
+        if self.first_step_seconds is None:
+            self.first_step_seconds = time.perf_counter() - self._step_clock
+        start, steps = self._window
+        self._window = (start, steps + 1)
+        if not (step + 1) % self.cfg.train.log_every or step + 1 >= self.cfg.train.max_steps:
+            if self.device.type == "cuda":  # the clock after the queued kernels, once a window
+                torch.cuda.synchronize(self.device)
+            seconds = time.perf_counter() - start
+            tokens = batch[:, 1:].numel() * self.trainer.world_size * accum * (steps + 1)  # global batches
+            speed = tokens / max(seconds, 1e-9)
+            self._log_at_step({N.TRAIN_LR: self._step_lr, N.TRAIN_TOKENS_PER_S: speed}, step)
+            self._window = None
 
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, *args: object, **kwargs: object
     ) -> None:
         """Clip the gradients' global norm at ``train.grad_clip`` (0: no clipping) and log the norm
-        before clipping: one pass over the gradients computes both (the trainer clips nothing)."""
+        before clipping: one pass over the gradients computes both (the trainer clips nothing).
+        A fused AdamW skips its update on the device when the norm is not finite (its
+        ``found_inf``, as AMP's grad scaler sets it), so no check has to wait for the GPU."""
         wrapped = self.trainer.strategy.model if self._trainer is not None else None
         if isinstance(wrapped, FSDP):  # each rank holds a shard: the norm over all of them
             grad_norm = wrapped.clip_grad_norm_(self.cfg.train.grad_clip or math.inf)
         else:
             params = [p for p in self.model.parameters() if p.grad is not None]
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip or math.inf)
-        if not torch.isfinite(grad_norm):  # the step would write non-finite weights
-            raise Diverged(self.global_step, float(grad_norm), math.inf, what="gradient norm")
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        skips_on_device = inner.defaults.get("fused") and self.trainer.precision != "16-mixed"
+        if skips_on_device:  # fp16's grad scaler sets found_inf itself
+            inner.found_inf = (~torch.isfinite(grad_norm)).float()
+        self.checks.add_grad_norm(self.global_step, grad_norm)
+        if not skips_on_device or self._check_due():  # the step would write non-finite weights
+            self._check()
         self.log(N.TRAIN_GRAD_NORM, grad_norm, on_step=True, logger=True)
 
     def on_validation_epoch_start(self) -> None:
+        self._check()  # the figures of the steps before this validation, in step order
         self._nll_sum.zero_()
         self._tok_count.zero_()
+        self._val_nll = [[] for _ in self.domains]
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int, dataloader_idx: int = 0) -> None:
-        nll = self.loss(batch, reduction="sum")
-        self._nll_sum[dataloader_idx] += nll.item()
+        self._val_nll[dataloader_idx].append(self.loss(batch, reduction="sum").detach())
         self._tok_count[dataloader_idx] += batch[:, 1:].numel()
 
     def on_validation_epoch_end(self) -> None:
         if self.trainer.sanity_checking:
             return
+        for d, sums in enumerate(self._val_nll):  # one read of the device; summed in float64 in order
+            for value in torch.stack(sums).tolist() if sums else []:
+                self._nll_sum[d] += value
         mean_nll = self._nll_sum / self._tok_count.clamp(min=1)
         ppl = {d: math.exp(v) for d, v in zip(self.domains, mean_nll.tolist())}
         figures = {N.val_ppl(d): p for d, p in ppl.items()}
@@ -252,16 +290,23 @@ class LMModule(pl.LightningModule):
         if every and self.validations % every == 0 and self.probe_tokens is not None and not last:
             self._log_at_step(self.probe().metrics())
 
-    def _log_at_step(self, metrics: dict[str, float]) -> None:
-        """Log ``metrics`` at the optimiser step, from rank 0 only (every rank computed them)."""
+    def _log_at_step(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Log ``metrics`` at ``step`` (default: the optimiser steps taken), from rank 0 only
+        (every rank computed them)."""
         if self.logger is not None and self.trainer.is_global_zero:
-            self.logger.log_metrics(metrics, step=self.global_step)
+            self.logger.log_metrics(metrics, step=self.global_step if step is None else step)
 
     def probe(self) -> ProbeResult:
-        """Run the probes on the probe batch (see ``experiments.probes``)."""
-        return run_probes(self.model, self.probe_tokens, seed=self.cfg.seed)
+        """Run the probes on the probe batch (see ``experiments.probes``), under
+        :func:`~experiments.devices.scoring_precision` on the model's device."""
+        with scoring_precision(self.device):
+            return run_probes(self.model, self.probe_tokens, seed=self.cfg.seed)
+
+    def on_train_end(self) -> None:
+        self._check()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        self._check()  # the spike window and the divergence verdict as of this step
         checkpoint["stability"] = self.spikes.state_dict()
         checkpoint["validations"] = self.validations
         checkpoint["last_val"] = {"figures": dict(self.last_val), "step": self.last_val_step}
@@ -282,6 +327,14 @@ class LMModule(pl.LightningModule):
         optimizer = adamw(self.model, t)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, t) / t.max_lr)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def next_token_loss(model: nn.Module, batch: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross-entropy (nats, fp32) of ``model`` on (B, T + 1) token windows: the mean, or
+    with ``reduction="sum"`` the sum over the B * T predicted tokens. One function, so
+    ``torch.compile`` fuses the logits' cast into the loss."""
+    logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction=reduction)
 
 
 def adamw(model: nn.Module, t: TrainConfig) -> torch.optim.AdamW:

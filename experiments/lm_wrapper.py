@@ -28,6 +28,7 @@ from tokenizers import Tokenizer
 
 from experiments.checkpointing import load_weights
 from experiments.config import ModelConfig
+from experiments.devices import scoring_precision
 from experiments.model import GatedLM, KVCache
 
 
@@ -185,7 +186,8 @@ class GatedAttnLM(TemplateLM):
             chunk = rows[start : start + self.batch_size]
             width = len(chunk[0])
             batch = torch.tensor([list(row) + [self._eot] * (width - len(row)) for row in chunk])
-            logits = self.model(batch.to(self._device)).float()
+            with scoring_precision(self._device):  # bf16 autocast on CUDA, as training; fp32 on the CPU
+                logits = self.model(batch.to(self._device)).float()
             for j, row in enumerate(chunk):
                 for i, at, continuation in inputs[row]:
                     logp = F.log_softmax(logits[j, at : at + len(continuation)], dim=-1).cpu()
@@ -241,6 +243,10 @@ class GatedAttnLM(TemplateLM):
         """(B, T) prompts -> up to ``budget`` greedy tokens each, stopping a row at EOS or once its
         decoded text holds a stop string. The prompt is fed once and every new token once after it
         (:class:`~experiments.model.KVCache`); finished rows leave the batch."""
+        with scoring_precision(self._device):
+            return self._greedy_tokens(tokens, budget, stops)
+
+    def _greedy_tokens(self, tokens: torch.Tensor, budget: int, stops: list[list[str]]) -> list[list[int]]:
         new: list[list[int]] = [[] for _ in range(tokens.shape[0])]
         cache = KVCache(len(self.model.blocks))
         nxt = self.model(tokens, cache)[:, -1].argmax(-1)

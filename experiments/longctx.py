@@ -32,6 +32,7 @@ from torch import nn
 from experiments import names as N
 from experiments.corpus import Corpus
 from experiments.corpus.reader import CorpusError
+from experiments.devices import scoring_precision
 from experiments.longctx_config import LongContextConfig
 from experiments.model import GatedLM, YarnScaling
 from experiments.passkey import passkey_scores
@@ -150,7 +151,8 @@ def evaluate_long_context(
             scaling = YarnScaling(cfg.yarn_factor, yarn_original) if yarn else None
             model.set_rope(theta=rope.theta, max_seq_len=lengths[-1], yarn=scaling)
             for length in lengths:
-                _one_length(model, corpus, tokenizer, length, yarn, cfg, seed, result)
+                with scoring_precision(_device(model)):  # bf16 on CUDA (8k-token attention), fp32 on CPU
+                    _one_length(model, corpus, tokenizer, length, yarn, cfg, seed, result)
     finally:
         model.rope = rope
         model.train(was_training)

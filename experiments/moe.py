@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from experiments.config import MoEConfig
+from experiments.experts import combine, expert_counts, group_align, grouped_swiglu, looped_swiglu
 
 
 @dataclass
@@ -77,6 +78,7 @@ def balancing_losses(
     experts: torch.Tensor,
     global_batch: bool = True,
     before: RouterStats | None = None,
+    counts: torch.Tensor | None = None,
 ) -> RouterStats:
     """Load-balancing loss and z-loss of one routing (see the module docstring).
 
@@ -86,11 +88,14 @@ def balancing_losses(
             ``torch.distributed`` is initialised) before forming the loss.
         before: the routing of this optimiser step's earlier micro-batches: its counts and tokens
             join this one's in ``f`` (``P`` stays this micro-batch's).
+        counts: (E,) assignments per expert of ``experts``, when the caller has them already.
     """
     n_experts = probs.shape[-1]
-    counts = torch.bincount(experts.flatten(), minlength=n_experts).to(probs.dtype)
+    if counts is None:
+        counts = expert_counts(experts.flatten(), n_experts)
+    counts = counts.to(probs.dtype)
     prob_sum = probs.sum(dim=0)
-    tokens = torch.tensor(float(probs.shape[0]), device=probs.device)
+    tokens = probs.new_full((), float(probs.shape[0]))  # a fill, not a host-to-device copy
     if global_batch and dist.is_available() and dist.is_initialized():
         stacked = torch.cat([counts, tokens[None]]).detach()
         dist.all_reduce(stacked)
@@ -137,36 +142,35 @@ class MoEFFN(nn.Module):
         #: Set by :func:`carry_balance`: the next forward continues the last one's optimiser step.
         self.carry = False
         self._step_so_far: RouterStats | None = None  # the last training forward's routing
-        #: ``torch.nn.functional.grouped_mm`` for the experts; turns itself off where unsupported.
+        #: ``torch.nn.functional.grouped_mm`` for the experts; :func:`choose_experts_path` turns it
+        #: off where the kernel fails its check, and ``experts_path`` says which path runs and why.
         self.use_grouped_mm = True
+        self.experts_path: str | None = None
 
     def inactive_parameters(self) -> int:
         """Expert parameters a token does not use: those of ``n_experts - top_k`` experts."""
         per_expert = (self.w_gate_up.numel() + self.w_down.numel()) // self.n_experts
         return (self.n_experts - self.top_k) * per_expert
 
-    def expert(self, e: int, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-        """Expert ``e`` on (M, d) tokens -> (M, d), its output scaled per token by ``scale`` (M, 1)."""
-        gate, up = (x @ self.w_gate_up[e]).chunk(2, dim=-1)
-        hidden = F.silu(gate) * up
-        return (hidden if scale is None else hidden * scale) @ self.w_down[e]
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # (N, d)
-        logits = self.router(flat)  # (N, E)
+        with torch.autocast(flat.device.type, enabled=False):  # routing in fp32 under any autocast
+            logits = F.linear(flat.float(), self.router.weight.float())  # (N, E)
         probs, experts, weights = route(logits, self.top_k)
-        # Outside training: no collective (the ranks validate different numbers of batches), and
-        # nothing carried to or from the training step's micro-batches.
-        before = self._step_so_far if self.carry and self.training else None
-        self.stats = balancing_losses(logits, probs, experts, self.global_batch and self.training, before)
-        if self.training:
-            self._step_so_far = self.stats
         # Group the N*k assignments by expert (a stable sort); each expert runs once on its slice.
         assigned = experts.flatten()  # (N*k,)
         order = assigned.argsort(stable=True)
-        token_of = order // self.top_k  # which token each sorted assignment came from
-        counts = torch.bincount(assigned, minlength=self.n_experts)
+        assigned_sorted = assigned.index_select(0, order)
+        counts = expert_counts(assigned, self.n_experts)  # (E,), once per layer, no host sync
+        # Outside training: no collective (the ranks validate different numbers of batches), and
+        # nothing carried to or from the training step's micro-batches.
+        before = self._step_so_far if self.carry and self.training else None
+        self.stats = balancing_losses(
+            logits, probs, experts, self.global_batch and self.training, before, counts=counts
+        )
+        if self.training:
+            self._step_so_far = self.stats
         # (N*k, d), expert 0's tokens first. Repeat, then permute: the backward of a permutation
         # adds nothing twice, so the gradient is bitwise reproducible (flat[token_of] is not on CPU:
         # its backward accumulates a token's k copies in whatever order the threads run).
@@ -174,46 +178,88 @@ class MoEFFN(nn.Module):
         # The routing weight scales the expert's hidden layer (width f), not its output (width d):
         # the same product, as the down projection is linear, on fewer numbers.
         scale = weights.flatten()[order, None]
-        outputs = self._grouped_experts(grouped, counts, scale) if self.use_grouped_mm else None
-        if outputs is None:
-            outputs = self._looped_experts(grouped, counts, scale)
-        out = torch.zeros_like(flat).index_add_(0, token_of, outputs.to(flat.dtype))
+        if self.experts_path is None and not torch.compiler.is_compiling():
+            choose_experts_path(self, flat.device, compute_dtype(flat))
+        outputs = self._experts(grouped, counts, scale, assigned_sorted)
+        out = combine(outputs.to(flat.dtype), order, assigned_sorted, self.top_k, self.n_experts)
         return out.reshape(shape)
 
-    def _grouped_experts(
-        self, grouped: torch.Tensor, counts: torch.Tensor, scale: torch.Tensor
-    ) -> torch.Tensor | None:
-        """All experts in two ``grouped_mm`` calls (one kernel each instead of E small matmuls);
-        None where this build or device cannot run them, and the layer falls back to the loop."""
-        offsets = counts.cumsum(0).to(torch.int32)
-        device = grouped.device.type
-        # grouped_mm has no autocast rule: cast by hand, as autocast casts the dense path's matmuls
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else grouped.dtype
-        grouped = grouped.to(dtype)
-        w_gate_up, w_down = self.w_gate_up.to(dtype), self.w_down.to(dtype)
-        try:
-            gate, up = F.grouped_mm(grouped, w_gate_up, offs=offsets).chunk(2, dim=-1)
-            hidden = F.silu(gate) * up * scale.to(dtype)
-            return F.grouped_mm(hidden.contiguous(), w_down, offs=offsets)
-        except torch.OutOfMemoryError:
-            raise
-        except (AttributeError, RuntimeError, NotImplementedError):  # e.g. a GPU without the kernel
-            self.use_grouped_mm = False
-            return None
-
-    def _looped_experts(
-        self, grouped: torch.Tensor, counts: torch.Tensor, scale: torch.Tensor
+    def _experts(
+        self, grouped: torch.Tensor, counts: torch.Tensor, scale: torch.Tensor, assigned_sorted: torch.Tensor
     ) -> torch.Tensor:
-        """One matmul pair per expert on its contiguous slice: a loop over experts, never tokens."""
-        outputs = torch.empty_like(grouped)
-        start = 0
-        for e, n in enumerate(counts.tolist()):
-            if n:
-                outputs[start : start + n] = self.expert(
-                    e, grouped[start : start + n], scale[start : start + n]
-                )
-            start += n
-        return outputs
+        """Every expert's SwiGLU on its rows of ``grouped`` (N*k, d), sorted by expert; in the
+        autocast dtype, as autocast casts the dense path's matmuls (``grouped_mm`` has no autocast
+        rule)."""
+        dtype = compute_dtype(grouped)
+        grouped, scale = grouped.to(dtype), scale.to(dtype)
+        w_gate_up, w_down = self.w_gate_up.to(dtype), self.w_down.to(dtype)
+        if self.use_grouped_mm:
+            align = group_align(grouped.device)
+            return grouped_swiglu(grouped, counts, scale, w_gate_up, w_down, assigned_sorted, align)
+        return looped_swiglu(grouped, counts, scale, w_gate_up, w_down)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype matmuls on ``x``'s device run in: autocast's, else ``x``'s own."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+#: (device type, dtype, d, f) -> why the looped experts run there ("" where grouped_mm passed).
+_PATH_CHECKS: dict[tuple[str, torch.dtype, int, int], str] = {}
+
+
+def grouped_mm_problem(device: torch.device, dtype: torch.dtype, d_model: int, expert_dim: int) -> str:
+    """Why ``grouped_mm`` cannot run experts of width ``d_model`` -> ``expert_dim`` on ``device``
+    in ``dtype`` ("" when it can): its forward and backward against the per-expert loop on
+    unaligned counts with an empty expert, once per device type, dtype and shape in a process (a
+    few milliseconds). The kernel needs rows of a multiple of 16 bytes, among others."""
+    key = (device.type, dtype, d_model, expert_dim)
+    if key not in _PATH_CHECKS:
+        with torch.autocast(device.type, enabled=False):
+            _PATH_CHECKS[key] = _check_grouped_mm(device, dtype, d_model, expert_dim)
+    return _PATH_CHECKS[key]
+
+
+def _check_grouped_mm(device: torch.device, dtype: torch.dtype, d: int, f: int) -> str:
+    if not hasattr(F, "grouped_mm"):
+        return f"torch {torch.__version__} has no torch.nn.functional.grouped_mm"
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.tensor([3, 0, 13, 1], device=device)
+    assigned = torch.repeat_interleave(torch.arange(4, device=device), counts)
+    x = torch.randn(17, d, generator=gen).to(device, dtype)
+    scale = torch.rand(17, 1, generator=gen).to(device, dtype)
+    shapes = ((d, 2 * f), (f, d))
+    weights = [(torch.randn(4, *s, generator=gen) / s[0] ** 0.5).to(device, dtype) for s in shapes]
+    results = []
+    try:
+        for grouped in (True, False):
+            inputs = [t.clone().requires_grad_() for t in (x, *weights)]
+            if grouped:
+                out = grouped_swiglu(inputs[0], counts, scale, *inputs[1:], assigned, group_align(device))
+            else:
+                out = looped_swiglu(inputs[0], counts, scale, *inputs[1:])
+            out.float().square().sum().backward()
+            results.append([out.detach().float(), *(t.grad.float() for t in inputs)])
+    except (RuntimeError, NotImplementedError, TypeError) as err:  # e.g. a GPU without the kernel
+        return f"grouped_mm failed on {device.type} in {dtype}: {type(err).__name__}: {str(err)[:160]}"
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    for got, want, name in zip(*results, ("output", "input grad", "w_gate_up grad", "w_down grad")):
+        error = float((got - want).abs().max() / want.abs().max().clamp(min=1e-12))
+        if not error <= tolerance:
+            return f"grouped_mm's {name} on {device.type} in {dtype} is off the loop's by {error:.1e}"
+    return ""
+
+
+def choose_experts_path(moe: MoEFFN, device: torch.device, dtype: torch.dtype) -> str:
+    """Set ``moe``'s experts path for ``device`` and ``dtype``: ``grouped_mm`` where it passes
+    :func:`grouped_mm_problem`'s check (or was turned off by hand), else the loop, with the
+    reason in ``moe.experts_path``. Returns the path."""
+    d, f = moe.w_down.shape[-1], moe.w_down.shape[-2]
+    problem = grouped_mm_problem(device, dtype, d, f) if moe.use_grouped_mm else "turned off (use_grouped_mm)"
+    moe.use_grouped_mm = not problem
+    moe.experts_path = "grouped_mm" if not problem else f"looped: {problem}"
+    return moe.experts_path
 
 
 def router_stats(model: nn.Module) -> list[RouterStats]:

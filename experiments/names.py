@@ -35,6 +35,11 @@ LOSS_SPIKES = "stability/loss_spikes"
 #: weights had (``experiments.lit.LMModule``). Runs without it logged validations one step lower.
 METRIC_STEPS_TAG = "metric_steps"
 METRIC_STEPS_UPDATES = "updates"
+#: Run tag: the precision Lightning trained in (``train.precision: auto`` resolved on the machine,
+#: ``32-true`` on a CPU, ``bf16-mixed`` on a GPU); a resume in another is refused (sweep.run.placement).
+PRECISION_TAG = "precision"
+#: Run tag of a MoE run: how its experts ran, ``grouped_mm`` or ``looped: <why>`` (experiments.moe).
+EXPERTS_PATH_TAG = "moe_experts"
 DIVERGED_STEP = "stability/diverged_step"
 
 # --- probes (experiments.probes) ---------------------------------------------------------------------

@@ -84,3 +84,59 @@ def check_divergence(step: int, loss: float, bound: float) -> None:
     """Raise :class:`Diverged` when ``loss`` is non-finite or above ``bound`` (nats)."""
     if not math.isfinite(loss) or loss > bound:
         raise Diverged(step, loss, bound)
+
+
+class DeferredChecks:
+    """The divergence and spike checks of training figures that stay on the device until read.
+
+    Reading a number off a GPU waits for every kernel queued before it, so the training step
+    queues its global-batch loss and gradient norm here as 0-d tensors and :meth:`check` reads
+    them all in one transfer: every ``train.log_every`` steps, before a checkpoint and at the
+    end of training. At ``log_every: 1`` each step is checked at once, before its backward pass
+    (its loss) and before its optimiser step (its gradient norm). Between checks a non-finite
+    gradient norm skips the optimiser step on the device (:class:`experiments.lit.LMModule`), so
+    no weight ever turns non-finite, and a diverged loss is reported at the next check with the
+    step it happened at.
+
+    Args:
+        spikes: the run's :class:`SpikeDetector`, fed each loss in step order.
+        bound: the divergence bound, nats (:func:`divergence_bound`).
+    """
+
+    def __init__(self, spikes: SpikeDetector, bound: float) -> None:
+        self.spikes, self.bound = spikes, bound
+        self._pending: list[tuple[int, int, object]] = []  # (step, 0 loss / 1 grad norm, 0-d tensor)
+
+    def add_loss(self, step: int, loss: object) -> None:
+        """Queue the 0-d training loss of optimiser step ``step``."""
+        self._pending.append((step, 0, loss))
+
+    def add_grad_norm(self, step: int, norm: object) -> None:
+        """Queue the 0-d gradient norm (before clipping) of optimiser step ``step``."""
+        self._pending.append((step, 1, norm))
+
+    def check(self, strict: bool = True) -> list[tuple[int, float]]:
+        """Read the queued figures in one transfer and check them in step order (a step's loss
+        before its gradient norm); returns the (step, loss) pairs read, spikes included.
+
+        Raises:
+            Diverged: at the first diverged loss or non-finite gradient norm (``strict``; with
+                ``strict`` False the checks only feed the spike detector, for a run already ending).
+        """
+        if not self._pending:
+            return []
+        import torch
+
+        pending, self._pending = sorted(self._pending, key=lambda p: (p[0], p[1])), []
+        values = torch.stack([p[2].detach().float().reshape(()) for p in pending]).tolist()
+        losses = []
+        for (step, kind, _), value in zip(pending, values):
+            if kind == 1:
+                if strict and not math.isfinite(value):  # the step was skipped on the device
+                    raise Diverged(step, value, math.inf, what="gradient norm")
+                continue
+            if strict:
+                check_divergence(step, value, self.bound)
+            self.spikes.update(step, value)
+            losses.append((step, value))
+        return losses

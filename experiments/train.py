@@ -24,7 +24,8 @@ from experiments import names as N
 from experiments.checkpointing import AtomicCheckpointIO, PeriodicCheckpoint, load_weights
 from experiments.config import RunConfig, TrainConfig
 from experiments.data import CorpusDataModule
-from experiments.lit import LMModule, auto_precision
+from experiments.devices import auto_precision
+from experiments.lit import LMModule
 from experiments.probes import ProbeResult, probe_batch
 
 
@@ -138,8 +139,14 @@ class Training:
 
     @property
     def spikes(self) -> list[tuple[int, float]]:
-        """(step, loss) of each loss spike so far (``experiments.stability``)."""
+        """(step, loss) of each loss spike so far (``experiments.stability``), the steps not yet
+        checked included (a fit that ended by an exception)."""
+        self.module.flush_checks()
         return list(self.module.spikes.spikes)
+
+    def experts_paths(self) -> list[str]:
+        """How the MoE layers' experts ran (``grouped_mm`` or ``looped: <why>``); [] for a dense model."""
+        return self.module.experts_paths()
 
     def spike_rule(self) -> dict[str, float]:
         """The spike and divergence rule this run used: window, z, and the divergence bound (nats)."""

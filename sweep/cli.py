@@ -23,13 +23,11 @@ class UsageError(RuntimeError):
     """Bad input that is not in a grid file (a results folder, say)."""
 
 
-def _workers(value: str) -> int:
-    """``--workers``: a count, or ``auto``: one single-threaded worker per CPU core (the fastest
-    way measured on 2 cores), one on a machine with a GPU. 0 for anything else (rejected)."""
+def _workers(value: str) -> int | None:
+    """``--workers``: a count, or None for ``auto`` (resolved from the cells:
+    :func:`sweep.run.gpus.auto_workers`). 0 for anything else (rejected)."""
     if value == "auto":
-        import torch
-
-        return 1 if torch.cuda.is_available() else os.cpu_count() or 1
+        return None
     return int(value) if value.isdigit() else 0
 
 
@@ -87,6 +85,7 @@ def _main(argv: list[str] | None) -> int:
     from sweep.eval.suite import BenchError
     from sweep.grid import MAX_SEEDS, load_grid
     from sweep.gridfile import GridError
+    from sweep.run.gpus import GpuLayoutError
     from sweep.run.slurm import LauncherError, launcher_for
     from sweep.store_urls import TrackingError
 
@@ -103,8 +102,8 @@ def _main(argv: list[str] | None) -> int:
         from sweep.run.sysmetrics import ENV
 
         os.environ[ENV] = "0"
-    for flag in ("workers", "heartbeat"):
-        if getattr(args, flag, 1) < 1:
+    for flag in ("workers", "heartbeat", "cells_per_gpu"):
+        if getattr(args, flag, None) is not None and getattr(args, flag) < 1:  # workers None: auto
             print(f"error: --{flag} must be at least 1, got {getattr(args, flag)}", file=sys.stderr)
             return 2
     seeds = list(range(args.seeds)) if args.seeds else None
@@ -163,6 +162,13 @@ def _main(argv: list[str] | None) -> int:
         if args.command == "worker":
             return _worker(args, grid, cells, results, cache)
         launch = launcher_for(args, max(c.config.train.num_nodes for c in cells))  # one line if unusable
+        from sweep.run.gpus import auto_workers, worker_environments
+
+        devices = max(c.config.train.devices for c in cells)
+        if args.workers is None:
+            args.workers = auto_workers(devices, args.cells_per_gpu)
+        if launch is None:  # one line, before anything is enqueued, if the cells need more GPUs
+            worker_environments(args.workers, devices, args.cells_per_gpu)
         for ids in grid.same_config_rows(cells):
             print(f"note: rows {', '.join(ids)} have one config at {args.scale}: trained once, shown in each")
         with StopRequest() as stop:
@@ -171,6 +177,7 @@ def _main(argv: list[str] | None) -> int:
                 outcomes = run_queued_sweep(
                     grid, cells, results, args.workers, url, _worker_args(args, url), args.heartbeat,
                     args.force, cache, stop, launch=launch, default_queue=args.storage is None,
+                    cells_per_gpu=args.cells_per_gpu,
                 )  # fmt: skip
             except (KeyboardInterrupt, SystemExit):  # Ctrl-C before training, or twice
                 if stop.signum is None:
@@ -211,7 +218,7 @@ def _main(argv: list[str] | None) -> int:
         where = f"{err.filename}: " if err.filename else ""
         print(f"error: {args.command}: {where}{err.strerror or err}", file=sys.stderr)
         return 1
-    except (GridError, TrackingError, UsageError, LauncherError, BenchError) as err:
+    except (GridError, TrackingError, UsageError, LauncherError, BenchError, GpuLayoutError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

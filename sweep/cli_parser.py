@@ -50,7 +50,14 @@ def parser(description: str) -> argparse.ArgumentParser:
             s.add_argument(
                 "--workers",
                 default="1",
-                help="workers (one: in this process), or auto (one per CPU core, one on a GPU)",
+                help="workers (one: in this process), or auto (one per CPU core; on a GPU machine, "
+                "one per GPU times --cells-per-gpu)",
+            )
+            s.add_argument(
+                "--cells-per-gpu",
+                type=int,
+                default=1,
+                help="workers sharing each GPU (WORKERS=auto; default 1): several small cells per card",
             )
             add_launcher_arguments(s)
         if name == "data":

@@ -82,19 +82,22 @@ def _file_id(path: Path) -> tuple[int, int] | None:
 
 
 def runtime_tags() -> dict[str, str]:
-    """What computed a run: the device, torch's intra-op threads, the CPU arithmetic
-    (:func:`experiments.numerics.cpu_arithmetic`), the numbers version, the git commit (``git_commit``,
-    ``+dirty`` with uncommitted changes; absent outside a checkout) and the library versions."""
+    """What computed a run: the device, torch's intra-op threads, its arithmetic (on the CPU
+    ``cpu_arith``, :func:`experiments.numerics.cpu_arithmetic`; on a GPU ``gpu_arith``,
+    :func:`experiments.devices.gpu_arithmetic`, beside the run's ``precision`` tag), the numbers
+    version, the git commit (``git_commit``, ``+dirty`` with uncommitted changes; absent outside a
+    checkout) and the library versions."""
     import lightning
     import torch
 
+    from experiments.devices import gpu_arithmetic
     from experiments.numerics import NUMBERS_VERSION, cpu_arithmetic
 
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    gpu = gpu_arithmetic()
     tags = {
-        "device": device,
+        "device": torch.cuda.get_device_name() if gpu else "cpu",
         "threads": str(torch.get_num_threads()),
-        "cpu_arith": cpu_arithmetic(),
+        **({"gpu_arith": gpu} if gpu else {"cpu_arith": cpu_arithmetic()}),
         "numbers": str(NUMBERS_VERSION),
         "torch": torch.__version__,
         "lightning": lightning.__version__,

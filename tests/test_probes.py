@@ -174,15 +174,3 @@ def test_probe_batch_is_fixed_and_recorded_beside_the_manifest() -> None:
     saved = json.loads((corpus.root / "probe-32x2.json").read_text())
     assert saved == record and saved["domains"][first] == {"windows": 2, "first_token": 0}
     assert len(saved["sha256"]) == 64
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_probes_on_cuda_match_the_cpu() -> None:
-    model = build(GateConfig(position="sdpa"))
-    x = tokens()
-    on_cpu = run_probes(model, x).summary
-    on_gpu = run_probes(model.cuda(), x).summary  # tokens move to the model's device
-    assert on_gpu.keys() == on_cpu.keys()
-    for key, value in on_cpu.items():
-        assert on_gpu[key] == pytest.approx(value, rel=1e-3, abs=1e-5), key

@@ -1,28 +1,34 @@
-"""``make gpu-check``: the CUDA path of every part, and the speed at ``small``, in one short script.
+"""``make gpu-check``: what a GPU machine does with this project, measured in a few minutes.
 
-Run it at once whenever a GPU is lent (the project's machines have 15 minutes of one): it checks, in
-order, and prints one line per check,
+Run it at once whenever a GPU is lent (the project's sessions get 15 minutes of one). It prints one
+line per check and writes them, with a table of figures, to one report (``--report``, default
+``results/gpu_check.md``), whose figures go into docs/performance.md:
 
-1. the test suite's GPU tests (``pytest -m gpu``);
-2. a bf16-mixed Lightning run of a micro MoE config through ``experiments.train.Training``;
-3. the MoE experts on ``grouped_mm`` (or its per-expert fallback) under bf16 autocast, against
-   the fp32 per-expert loop;
-4. the probes on CUDA against the same model's probes on the CPU;
-5. ``torch.compile`` of a dense model's training step, against eager;
-6. tokens/s and model FLOPs utilisation (MFU) of a bare training loop at scale ``small`` for the
-   MoE base (Table 1) and the dense base (Table 2), baseline and the SDPA elementwise gate (G1).
+1. the GPU tests (``pytest -m gpu``: the expert kernels, probes and a bf16 step against the CPU);
+2. the expert kernels at ``small``'s shape: ``grouped_mm`` (groups padded as on CUDA) against the
+   per-expert loop, forward and backward, bf16 and fp32, on unaligned counts; and their speed;
+3. routing: how many tokens a bf16 router would send elsewhere, and that the layer routes in fp32;
+4. the cell's own path at a micro scale (Lightning, clipping, logging, the deferred checks) in
+   bf16-mixed, counting host syncs per step between checks (0 expected);
+5. ``small`` (Table 1's baseline and G1, compiled as the grid says, and the baseline eager) for
+   ``--steps`` steps on real text that needs no network (Python's standard library, BPE'd here):
+   tokens/s between the logged windows (the first, with compiling, left out), MFU and
+   ``max_memory_allocated``;
+6. packing: 2 and 3 ``small`` baseline cells at once on the one GPU (CELLS_PER_GPU), in
+   processes of their own: tokens/s summed over them and each one's peak memory.
 
-MFU counts 6 FLOPs per active parameter per token plus attention's ``12 * L * H * D * T`` (forward
-and backward, causal attention counted in full, as PaLM does) against the GPU's dense bf16 peak
-(``GPU_PEAK_TFLOPS`` overrides the table). ``--dry-run`` runs every check that does not need CUDA
-on the CPU at scale ``tiny`` with a few steps, so the script cannot rot between GPU sessions
-(``tests/test_gpu_check.py``).
+MFU counts 6 FLOPs per active parameter per token plus attention's ``12 * L * H * D * T``
+(forward and backward, causal attention counted in full, as PaLM does) against the GPU's dense
+bf16 peak (``GPU_PEAK_TFLOPS`` overrides the table). It needs torch and Lightning, not MLflow or
+Optuna (a GPU image without network has the first two). ``--dry-run`` runs every check on the CPU
+at ``tiny`` with a few steps and CPU autocast for the bf16 paths, so the script cannot rot
+between GPU sessions (``tests/test_gpu_check.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -32,20 +38,16 @@ from pathlib import Path
 
 import torch
 
-from experiments.config import DataConfig, GateConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig
-from experiments.model import GatedLM
-from experiments.moe import MoEFFN
-from experiments.probes import run_probes
-from sweep.grid import load_grid
-from tools.throughput.bare import setup, step, sync
+from experiments.config import RunConfig
+from experiments.experts import expert_counts, group_align, grouped_swiglu, looped_swiglu
+from experiments.moe import MoEFFN, choose_experts_path
+from sweep.run.quiet import quiet_lightning
+from tools.gpu_cells import cell_speed, micro_syncs, offline_cell
 
 #: Dense bf16 peak TFLOP/s by device-name fragment (vendor data sheets, SXM parts).
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.1, "A10G": 70.0, "4090": 165.2}
-#: The rows timed: the baseline and the SDPA elementwise gate (G1) of each base.
-ROWS = {
-    "grids/table1.yaml": ["baseline", "sdpa_elementwise"],
-    "grids/table2.yaml": ["baseline_28l", "sdpa_elementwise_28l"],
-}
+#: The test files that hold the GPU tests; each imports only torch, Lightning and experiments.
+GPU_TEST_FILES = ("tests/test_experts.py", "tests/test_gpu.py")
 
 
 def peak_flops() -> float | None:
@@ -67,33 +69,39 @@ def flops_per_token(cfg: RunConfig) -> float:
     return 6 * active + 12 * m.n_layers * m.n_heads * m.head_dim * cfg.train.seq_len
 
 
-def micro_config(moe: bool, device_steps: int) -> RunConfig:
-    model = ModelConfig(
-        vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128,
-        max_seq_len=64, gate=GateConfig(position="sdpa"),
-        moe=MoEConfig(n_experts=8, top_k=2, expert_dim=32) if moe else None,
-    )  # fmt: skip
-    train = TrainConfig(
-        max_steps=device_steps, batch_size=4, seq_len=64, warmup_steps=1, val_every=device_steps,
-        val_tokens=1024, checkpoint_every=0,
-    )  # fmt: skip
-    return RunConfig(model=model, train=train, data=DataConfig(vocab_size=512, max_chars_per_source=200000))
+class Report:
+    """The check lines and the figures table, printed as they come and written at the end."""
 
+    def __init__(self, header: str) -> None:
+        self.lines, self.figures = [header], [("figure", "value")]
+        print(header, flush=True)
 
-def check(name: str, fn: Callable[[], str]) -> bool:
-    """Run one check; print ``ok``/``FAIL`` with what it found and its seconds."""
-    start = time.perf_counter()
-    try:
-        detail, ok = fn(), True
-    except Exception as err:  # a check that breaks is a finding, and the others still run
-        detail, ok = f"{type(err).__name__}: {err}", False
-    print(f"[{'ok' if ok else 'FAIL'}] {name} ({time.perf_counter() - start:.0f} s): {detail}", flush=True)
-    return ok
+    def check(self, name: str, fn: Callable[[], str]) -> bool:
+        """Run one check; print ``ok``/``FAIL`` with what it found and its seconds."""
+        start = time.perf_counter()
+        try:
+            detail, ok = fn(), True
+        except Exception as err:  # a check that breaks is a finding, and the others still run
+            detail, ok = f"{type(err).__name__}: {str(err)[:400]}", False
+        line = f"[{'ok' if ok else 'FAIL'}] {name} ({time.perf_counter() - start:.0f} s): {detail}"
+        print(line, flush=True)
+        self.lines.append(line)
+        return ok
+
+    def figure(self, name: str, value: str) -> None:
+        self.figures.append((name, value))
+
+    def write(self, path: Path) -> None:
+        table = [f"| {a} | {b} |" for a, b in self.figures]
+        table.insert(1, "|---|---|")
+        text = "\n".join(["# make gpu-check", "", *[f"- {line}" for line in self.lines], "", *table, ""])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
 
 
 def gpu_tests() -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *GPU_TEST_FILES],
         capture_output=True,
         text=True,
     )
@@ -103,104 +111,121 @@ def gpu_tests() -> str:
     return last
 
 
-def bf16_training(cache: Path | None) -> str:
-    from experiments.train import Training
-
-    cfg = micro_config(moe=True, device_steps=5)
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision="auto"))
-    run = Training(cfg, cache)
-    run.fit()
-    final = run.finish()
-    where = run.trainer.strategy.root_device
-    return f"precision {run.trainer.precision}, device {where}, Avg PPL {final['val/ppl/avg']:.1f}"
-
-
-def grouped_experts() -> str:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+def expert_kernels(device: str, report: Report) -> str:
+    """``small``'s MoE layer (d 512, 128 experts of 192, top-8) on 4,096 tokens (256 on a CPU),
+    routed by a random router (unbalanced, unaligned counts): grouped against the loop, forward
+    and backward."""
     torch.manual_seed(0)
-    moe = MoEFFN(256, 32, 4, 128).to(device)
-    x = torch.randn(512, 256, device=device)
-    with torch.no_grad():
-        moe.use_grouped_mm = False
-        reference = moe(x)
-        moe.use_grouped_mm = True
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
-            got = moe(x).float()
-    error = float((got - reference).abs().max() / reference.abs().max())
-    path = "grouped_mm" if moe.use_grouped_mm else "per-expert fallback"
-    if error > 2e-2:
-        raise AssertionError(f"{path}: relative error {error:.2e} against the fp32 loop")
-    return f"{path}, max relative error {error:.1e} against the fp32 per-expert loop"
-
-
-def probes_match() -> str:
-    cfg = micro_config(moe=True, device_steps=2).model
-    torch.manual_seed(0)
-    model = GatedLM(cfg)
-    tokens = torch.randint(0, cfg.vocab_size, (4, 64))
-    cpu = run_probes(model, tokens).summary
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    other = run_probes(model.to(device), tokens).summary
-    worst = max(abs(cpu[k] - other[k]) / max(abs(cpu[k]), 1e-6) for k in cpu)
-    if worst > 1e-3:
-        raise AssertionError(f"probes on {device} differ from the CPU's by {worst:.2e} (relative)")
-    return f"{len(cpu)} probe metrics on {device} within {worst:.1e} of the CPU's"
-
-
-def compiled_step() -> str:
-    cfg = micro_config(moe=False, device_steps=2)
-    module, opt, batch = setup(cfg)
-    eager = float(module.loss(batch))
-    compiled = torch.compile(module.model)
-    start = time.perf_counter()
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=torch.cuda.is_available()):
-        logits = compiled(batch[:, :-1])
-    loss = float(torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()))
-    if abs(loss - eager) > 5e-2 * abs(eager):
-        raise AssertionError(f"compiled loss {loss:.4f} against eager {eager:.4f}")
-    return f"compiled in {time.perf_counter() - start:.0f} s; loss {loss:.4f} against eager {eager:.4f}"
-
-
-def speed(scale: str, steps: int) -> str:
-    peak = peak_flops()
-    lines = []
-    for grid_file, rows in ROWS.items():
-        grid = load_grid(grid_file)
-        for cell in grid.cells(scale, seeds=[0], rows=rows):
-            module, opt, batch = setup(cell.config)
-            sync()
+    moe = MoEFFN(512, 128, 8, 192).to(device)
+    x = torch.randn(4096 if device == "cuda" else 256, 512, device=device)
+    flat = x.reshape(-1, 512)
+    experts = moe.router(flat).topk(8).indices.flatten()
+    order = experts.argsort(stable=True)
+    sorted_experts = experts.index_select(0, order)
+    counts = expert_counts(experts, 128)
+    grouped = flat.repeat_interleave(8, dim=0).index_select(0, order)
+    scale = torch.rand(grouped.shape[0], 1, device=device)
+    out = []
+    for dtype in (torch.bfloat16, torch.float32):
+        results, seconds = [], []
+        for path in ("grouped", "loop"):
+            tensors = (grouped, moe.w_gate_up, moe.w_down)
+            leaves = [t.detach().to(dtype).clone().requires_grad_() for t in tensors]
             start = time.perf_counter()
-            for _ in range(steps):
-                step(module, opt, batch)
-            sync()
-            tokens_s = steps * batch[:, 1:].numel() / (time.perf_counter() - start)
-            mfu = f", MFU {tokens_s * flops_per_token(cell.config) / peak:.1%}" if peak else ""
-            lines.append(f"{grid.name} {cell.row.id} {tokens_s:,.0f} tok/s{mfu}")
-            del module, opt, batch
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-    return "; ".join(lines)
+            if path == "grouped":
+                y = grouped_swiglu(leaves[0], counts, scale.to(dtype), leaves[1], leaves[2], sorted_experts,
+                                   group_align(torch.device(device)))  # fmt: skip
+            else:
+                y = looped_swiglu(leaves[0], counts, scale.to(dtype), leaves[1], leaves[2])
+            y.float().square().mean().backward()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - start)
+            results.append([y.detach().float(), *(t.grad.float() for t in leaves)])
+        worst = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(*results))
+        tolerance = 3e-2 if dtype == torch.bfloat16 else 1e-4
+        if not worst <= tolerance:
+            raise AssertionError(f"{dtype}: grouped against loop off by {worst:.1e} (relative)")
+        name = str(dtype).removeprefix("torch.")
+        ms = f"{seconds[0] * 1e3:.1f} / {seconds[1] * 1e3:.1f}"
+        report.figure(f"experts fwd+bwd, {name}: grouped / loop (ms)", ms)
+        out.append(f"{name} within {worst:.1e}")
+    path = choose_experts_path(moe, torch.device(device), torch.bfloat16)
+    report.figure("experts path (bf16)", path)
+    return f"path {path}; grouped equals the loop forward and backward: {', '.join(out)}"
+
+
+def routing(device: str, report: Report) -> str:
+    torch.manual_seed(1)
+    moe = MoEFFN(512, 128, 8, 192).to(device)
+    x = torch.randn(8192, 512, device=device)
+    with torch.no_grad():
+        fp32 = moe.router(x).topk(8).indices.sort(-1).values
+        rounded = (x.bfloat16() @ moe.router.weight.bfloat16().T).float().topk(8).indices.sort(-1).values
+        with torch.autocast(device, dtype=torch.bfloat16):
+            moe(x)
+    moved = float((rounded != fp32).any(-1).float().mean())
+    layer = expert_counts(fp32.flatten(), 128).float()
+    if not torch.equal(moe.stats.load, layer):
+        raise AssertionError("the layer's routing under autocast differs from fp32 routing")
+    report.figure("tokens a bf16 router would route elsewhere", f"{moved:.1%}")
+    return f"a bf16 router would move {moved:.1%} of the tokens' top-8 sets; the layer routes in fp32"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, scale tiny, a few steps: check the script")
+    p.add_argument("--steps", type=int, default=None, help="steps per small cell (default 200; dry run 6)")
+    p.add_argument("--report", default="results/gpu_check.md", help="the report file (markdown)")
+    p.add_argument("--cell", default=None, help=argparse.SUPPRESS)  # one packed cell: row,scale,steps,json
     args = p.parse_args(argv)
+    quiet_lightning()
+    if args.cell:
+        row, scale, steps, out = args.cell.split(",")
+        Path(out).write_text(json.dumps(cell_speed(offline_cell(row, scale, int(steps)))))
+        return 0
     if not args.dry_run and not torch.cuda.is_available():
         print("error: no CUDA device (use --dry-run to check the script on the CPU)", file=sys.stderr)
         return 2
-    cache = Path(os.environ["GATED_ATTN_CACHE"]) if os.environ.get("GATED_ATTN_CACHE") else None
-    where = "CPU (dry run)" if args.dry_run else torch.cuda.get_device_name()
-    print(f"gpu-check on {where}, torch {torch.__version__}, CUDA {torch.version.cuda}", flush=True)
+    device = "cpu" if args.dry_run else "cuda"
+    scale, steps = ("tiny", args.steps or 6) if args.dry_run else ("small", args.steps or 200)
+    where = "CPU (dry run, CPU autocast for bf16)" if args.dry_run else torch.cuda.get_device_name()
+    report = Report(f"gpu-check on {where}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    from tools.gpu_cells import speed_lines
+
+    peak = peak_flops()
     results = [
-        args.dry_run or check("GPU tests", gpu_tests),
-        check("bf16-mixed training", lambda: bf16_training(cache)),
-        check("MoE experts", grouped_experts),
-        check("probes", probes_match),
-        args.dry_run or check("torch.compile", compiled_step),  # minutes to compile on a CPU
-        check("speed", lambda: speed("tiny" if args.dry_run else "small", 2 if args.dry_run else 20)),
+        args.dry_run or report.check("GPU tests", gpu_tests),
+        report.check("expert kernels", lambda: expert_kernels(device, report)),
+        report.check("routing", lambda: routing(device, report)),
+        report.check("cell path, micro", lambda: micro_syncs(report)),
+        report.check(f"{scale}, one cell", lambda: speed_lines(scale, steps, report, peak, flops_per_token)),
+        report.check("packing cells on one GPU", lambda: packing(scale, steps, report, args.dry_run)),
     ]
+    report.write(Path(args.report))
+    print(f"report: {args.report}")
     return 0 if all(results) else 1
+
+
+def packing(scale: str, steps: int, report: Report, dry_run: bool) -> str:
+    """2 and 3 baseline cells at once, each in its own process (as CELLS_PER_GPU workers are);
+    only 2 in a dry run."""
+    import tempfile
+
+    lines, command = [], [sys.executable, "-m", "tools.gpu_check", "--cell"]
+    for count in (2,) if dry_run else (2, 3):
+        with tempfile.TemporaryDirectory() as tmp:
+            outs = [Path(tmp) / f"cell{i}.json" for i in range(count)]
+            procs = [subprocess.Popen([*command, f"baseline,{scale},{steps},{o}"]) for o in outs]
+            if any(proc.wait() != 0 for proc in procs):
+                raise RuntimeError(f"a packed cell failed ({count} at once)")
+            cells = [json.loads(o.read_text()) for o in outs]
+        total = sum(c["tokens_per_s"] for c in cells)
+        peak = max(c["peak_gib"] for c in cells)
+        what = f"{count} baseline cells on one GPU: tokens/s summed, peak GiB each"
+        report.figure(what, f"{total:,.0f}, {peak:.1f}")
+        lines.append(f"{count} cells {total:,.0f} tok/s (peak {peak:.1f} GiB each)")
+    return "; ".join(lines)
 
 
 if __name__ == "__main__":

@@ -97,17 +97,19 @@ FRAME_COLUMNS = ["row", "label", "seed", "run_id", "status", "gate", "arithmetic
 
 def arithmetic(tags: dict[str, str]) -> str:
     """What computed a run, as its tags say: ``cpu (avx2, mkl AVX2, GenuineIntel), 1 thread, torch
-    2.13.0+cpu``, ``NVIDIA H200, 1 thread, torch 2.13.0+cu128``; a CPU run from before the
-    ``cpu_arith`` tag reads ``cpu, 1 thread, ...`` and one from before any tag ``unrecorded``. Two
-    runs of one config agree to the last bit only when this agrees (torch's CPU kernels split sums
-    by thread, each instruction set sums in its own order (:mod:`experiments.numerics`), and each
-    torch build has its own kernels)."""
+    2.13.0+cpu``, ``NVIDIA H200 (cuda 12.8, sm_90, bf16-mixed), 1 thread, torch 2.13.0+cu128``; a
+    CPU run from before the ``cpu_arith`` tag reads ``cpu, 1 thread, ...`` and one from before any
+    tag ``unrecorded``. Two runs of one config agree to the last bit only when this agrees (torch's
+    CPU kernels split sums by thread, each instruction set sums in its own order
+    (:mod:`experiments.numerics`), and each torch build has its own kernels)."""
     if "device" not in tags:
         return "unrecorded"
     threads = tags.get("threads", "?")
     device = tags["device"]
     if device == "cpu" and tags.get("cpu_arith"):
         device = f"cpu ({tags['cpu_arith']})"
+    elif tags.get("gpu_arith"):  # a GPU run: its CUDA build and capability, and its precision
+        device = f"{device} ({tags['gpu_arith']}, {tags.get('precision', 'precision unrecorded')})"
     torch = f", torch {tags['torch']}" if tags.get("torch") else ""
     return f"{device}, {threads} thread{'' if threads == '1' else 's'}{torch}"
 

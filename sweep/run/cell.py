@@ -171,6 +171,7 @@ def train_tracked(
         tracker.client.set_tag(run_id, "corpus", corpus.manifest["recipe_hash"])
         tracker.client.set_tag(run_id, "probe_sha256", run.probe_record["sha256"])
         tracker.client.set_tag(run_id, N.METRIC_STEPS_TAG, N.METRIC_STEPS_UPDATES)
+        tracker.client.set_tag(run_id, N.PRECISION_TAG, str(run.trainer.precision))  # auto, resolved
         logged = dict(replayed or {})
 
         def log_once(metrics: dict[str, float], step: int) -> None:
@@ -182,6 +183,8 @@ def train_tracked(
         try:
             run.fit(resume_from)
         finally:  # diverged or not, the spikes seen so far are data
+            if run.experts_paths():  # grouped_mm, or the loop and why (chosen at the fit's start)
+                tracker.client.set_tag(run_id, N.EXPERTS_PATH_TAG, "; ".join(run.experts_paths()))
             logger.flush()
             log_once({N.LOSS_SPIKES: len(run.spikes)}, step=run.step)
             spikes = [{"step": s, "loss": v} for s, v in run.spikes]

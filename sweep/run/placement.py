@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from experiments import names as N
 from experiments.config import TrainConfig
+from experiments.devices import auto_precision
 from sweep.grid import Cell, Grid
 from sweep.gridfile import GridError
 
@@ -58,7 +60,8 @@ def check_runnable(grid: Grid, cells: list[Cell], nodes: int | None = 1) -> None
 
 def placement_change(run: Any, cell: Cell) -> str:
     """Why the unfinished ``run`` cannot resume with the ``cell``'s placement (``TrainConfig.PLACEMENT``:
-    devices, nodes, strategy, micro-batches), or "" when it has the same. Another split of the
+    devices, nodes, strategy, micro-batches, compile; and the precision ``auto`` resolves to on this
+    machine), or "" when it has the same. Another split of the
     batch sums in another order and replays its steps differently, so the resumed cell would end
     with other numbers than one that never stopped."""
     params, train = run.data.params, cell.config.train
@@ -67,6 +70,9 @@ def placement_change(run: Any, cell: Cell) -> str:
         for key in TrainConfig.PLACEMENT
         if f"train.{key}" in params and params[f"train.{key}"] != str(getattr(train, key))
     ]
+    had, has = run.data.tags.get(N.PRECISION_TAG), auto_precision(train.precision)
+    if had is not None and had != has:  # `auto` resolves by machine: fp32 here, bf16 on a GPU
+        moved.append(f"precision {had} -> {has}")
     if not moved:
         return ""
     run_id = run.info.run_id

@@ -43,13 +43,14 @@ class ProgressPrinter(pl.Callback):
 
     Line: ``[3/14] sdpa_elementwise s0 | step 75/150 | loss 5.21 | 7.4k tok/s | cell 0:21 left |
     sweep 6:40 left``
-    (loss is an exponential moving average with weight 0.9 on the past).
+    (loss: the module's moving average of the global batch's training loss as of its last check,
+    ``LMModule.loss_ema``, which never waits for the device). A compiled cell's first line also
+    gives its first step's seconds, mostly compiling.
     """
 
     def __init__(self, prefix: str, clock: SweepClock, out: Callable[[str], None] = print) -> None:
         self.prefix, self.clock, self.out = prefix, clock, out
         self.started = 0.0
-        self.loss_ema: float | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.started = time.perf_counter()
@@ -61,21 +62,24 @@ class ProgressPrinter(pl.Callback):
     ) -> None:
         if (batch_idx + 1) % trainer.accumulate_grad_batches:  # not a step's last micro-batch
             return
-        loss = float(outputs["loss"])  # this process's (rank 0's) batch
-        self.loss_ema = loss if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss
         step, total = trainer.global_step, trainer.max_steps
         if step not in self.report_at:
             return
+        ema = getattr(pl_module, "loss_ema", None)
+        loss = "loss -" if ema is None else f"loss {ema:.3f}"
         elapsed = time.perf_counter() - self.started
         done = step - self.first_step  # steps this process trained
         if done <= 1:  # the first step carries start-up costs: no estimate from it
-            self.out(f"{self.prefix} | step {step}/{total} | loss {self.loss_ema:.3f} | started")
+            first = getattr(pl_module, "first_step_seconds", None)
+            compiled = pl_module.cfg.train.compile if hasattr(pl_module, "cfg") else False
+            how = f" (first step {first:.1f} s, compiling)" if compiled and first is not None else ""
+            self.out(f"{self.prefix} | step {step}/{total} | {loss} | started{how}")
             return
         cell_total = elapsed / done * (total - self.first_step)
         global_batch = batch[:, 1:].numel() * trainer.world_size * trainer.accumulate_grad_batches
         tok_s = done * global_batch / max(elapsed, 1e-9)
         self.out(
-            f"{self.prefix} | step {step}/{total} | loss {self.loss_ema:.3f} | {tok_s / 1e3:.1f}k tok/s | "
+            f"{self.prefix} | step {step}/{total} | {loss} | {tok_s / 1e3:.1f}k tok/s | "
             f"cell {_clock(cell_total - elapsed)} left | "
             f"sweep {_clock(self.clock.left(cell_total - elapsed, cell_total))} left"
         )

@@ -41,6 +41,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from experiments.names import Outcome
 from sweep.grid import Cell, Grid
+from sweep.run.gpus import worker_environments
 from sweep.run.placement import job_nodes
 from sweep.run.progress import SweepClock
 from sweep.run.resume import Heartbeat, alive_here, own_start, worker_name
@@ -293,6 +294,7 @@ def run_queued_sweep(
     out: Callable[[str], None] = print,
     launch: Launcher | None = None,
     default_queue: bool = False,
+    cells_per_gpu: int = 1,
 ) -> list[CellResult]:
     """The driver: prepare, enqueue, start ``workers`` workers, wait, and return one
     :class:`CellResult` per cell (read back from the queue). ``worker_args``: the ``sweep.cli
@@ -302,7 +304,8 @@ def run_queued_sweep(
     process (:func:`drain` ``alone``), not importing torch, Lightning, MLflow and Optuna again.
     SIGINT and SIGTERM reach the workers; each saves its cell and marks it killed.
     ``default_queue``: ``url`` is the results folder's own queue, not one the user named (see
-    :func:`sweep.run.runner.check_one_queue`)."""
+    :func:`sweep.run.runner.check_one_queue`). Local workers on a GPU machine each see their own
+    GPUs (:func:`sweep.run.gpus.worker_environments`, ``cells_per_gpu`` to a card)."""
     nodes = None if launch else 1
     ctx = prepare_sweep(grid, cells, results_dir, cache_root, stop, out, nodes, default_queue)
     queue = open_queue(cells[0].scale, url, heartbeat_s)
@@ -328,21 +331,33 @@ def run_queued_sweep(
         return [mine.get(o.cell.run_key, o) if o.status == Outcome.NOT_STARTED else o for o in found]
     command = [sys.executable, "-m", "sweep.cli", "worker", *worker_args]  # each pins its threads
     env = {STORAGE_ENV: url}  # not in the command line, which every user of the machine can read
-    own = (launch or start_processes)(command, count, stop, out, env) if count else set()
+    if launch is not None:  # cluster jobs keep the GPUs their scheduler gives them
+        own = launch(command, count, stop, out, env) if count else set()
+    else:
+        devices = max(c.config.train.devices for c in cells)
+        gpus = worker_environments(count, devices, cells_per_gpu)
+        own = start_processes(command, count, stop, out, env, gpus) if count else set()
     return queue_outcomes(queue, cells, wanted, ctx, own)
 
 
 def start_processes(
-    command: list[str], count: int, stop: StopRequest, out: Callable[[str], None], env: dict[str, str]
+    command: list[str],
+    count: int,
+    stop: StopRequest,
+    out: Callable[[str], None],
+    env: dict[str, str],
+    each: list[dict[str, str]] | None = None,
 ) -> set[str]:
-    """Run ``count`` worker processes of ``command`` on this machine, with ``env`` added to their
-    environment, until each has left; forward SIGTERM to them once the driver got a signal (Ctrl-C
-    reaches them by itself). A driver killed outright (``kill -9``, the OOM killer) sends them
-    SIGTERM through the kernel (``PR_SET_PDEATHSIG``): each saves its cell and leaves, none trains
-    on orphaned. Returns their names (``host:pid``)."""
+    """Run ``count`` worker processes of ``command`` on this machine, with ``env`` (and worker
+    ``i``'s ``each[i]``, its GPUs) added to their environment, until each has left; forward
+    SIGTERM to them once the driver got a signal (Ctrl-C reaches them by itself). A driver killed
+    outright (``kill -9``, the OOM killer) sends them SIGTERM through the kernel
+    (``PR_SET_PDEATHSIG``): each saves its cell and leaves, none trains on orphaned. Returns
+    their names (``host:pid``)."""
     env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}  # progress lines as they come, into a log file too
     preexec = child_preexec(os.getpid())
-    procs = [subprocess.Popen(command, env=env, preexec_fn=preexec) for _ in range(count)]
+    each = each or [{} for _ in range(count)]
+    procs = [subprocess.Popen(command, env={**env, **each[i]}, preexec_fn=preexec) for i in range(count)]
     wait_forwarding(procs, stop)
     for i, p in enumerate(procs):
         if p.returncode not in (0, 1, 130, 143):

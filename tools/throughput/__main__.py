@@ -13,7 +13,7 @@ import torch
 from sweep.grid import load_grid
 from sweep.gridfile import GridError
 from sweep.run.quiet import CELL_THREADS
-from tools.throughput.bare import TWIN, configs, measure
+from tools.throughput.bare import COMPILED, EAGER, TWIN, configs, measure
 from tools.throughput.breakdown import breakdown
 from tools.throughput.harness import harness_vs_bare
 
@@ -41,17 +41,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10, help="training steps per timed block")
     p.add_argument("--no-twins", action="store_true", help="skip the dense twin of each MoE row")
     p.add_argument("--no-harness", action="store_true", help="skip the harness and the breakdown")
+    p.add_argument("--no-compile", action="store_true", help="skip the compiled against eager timing")
     p.add_argument("--threads", type=int, default=CELL_THREADS, help="torch threads (default: a cell's)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     try:
         grid = load_grid(args.grid)
         rows = args.rows.split(",") if args.rows else [r for r in DEFAULT_ROWS if r in grid.row_ids()]
-        runs = configs(grid, args.scale, rows or grid.row_ids()[:1], not args.no_twins)
+        rows = rows or grid.row_ids()[:1]
+        runs = configs(grid, args.scale, rows, not args.no_twins, None if args.no_compile else rows[0])
     except GridError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    rows = [r for r in rows if r in runs] or list(runs)[:1]
+    rows = [r for r in rows if r in runs]
     where = (
         torch.cuda.get_device_name()
         if torch.cuda.is_available()
@@ -59,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"training throughput, {args.grid} scale {args.scale}, {where}, torch {torch.__version__}")
     print(f"bare loop: {args.rounds} interleaved rounds of {args.steps} steps; median tokens/s (min-max)")
-    figures = measure(runs, args.rounds, args.steps)
+    setup_times: dict[str, float] = {}
+    figures = measure(runs, args.rounds, args.steps, setup_times)
     base = rows[0]
     for name, values in figures.items():
         total, active = runs[name].model.param_counts()
@@ -70,8 +73,13 @@ def main(argv: list[str] | None = None) -> int:
         if name.endswith(TWIN):
             moe = name.removesuffix(TWIN)
             print(f"  {moe} (MoE) / its dense twin           {_spread(_ratios(figures, moe, name))}")
+    if base + COMPILED in figures:
+        warm = setup_times[base + COMPILED] - setup_times[base + EAGER]
+        ratio = _spread(_ratios(figures, base + COMPILED, base + EAGER))
+        print(f"  {base} compiled / eager (train.compile)   {ratio}")
+        print(f"    compiling took {warm:.0f} s (three warm-up steps, compiled minus eager)")
     for name in figures:
-        if name != base and not name.endswith(TWIN):
+        if name != base and not name.endswith((TWIN, COMPILED, EAGER)):
             print(f"  {name} / {base}{'':<14} {_spread(_ratios(figures, name, base))}")
             if name + TWIN in figures and base + TWIN in figures:
                 print(f"    dense twins: {_spread(_ratios(figures, name + TWIN, base + TWIN))}")

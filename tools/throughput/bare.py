@@ -12,6 +12,7 @@ from experiments.lit import LMModule, adamw
 from sweep.grid import Grid
 
 TWIN = ":dense-twin"
+COMPILED = ":compiled"  # the row with train.compile: the loss through torch.compile
 
 
 def device() -> str:
@@ -39,8 +40,12 @@ def dense_twin(cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, moe=None, ffn_dim=cfg.moe.top_k * cfg.moe.expert_dim)
 
 
-def configs(grid: Grid, scale: str, rows: list[str], twins: bool) -> dict[str, RunConfig]:
-    """The runs to time by name: each row's seed-0 config, and ``<row>:dense-twin`` for MoE rows.
+def configs(
+    grid: Grid, scale: str, rows: list[str], twins: bool, compiled: str | None = None
+) -> dict[str, RunConfig]:
+    """The runs to time by name: each row's seed-0 config, ``<row>:dense-twin`` for MoE rows, and
+    ``<compiled>:compiled`` (and ``<compiled>:eager``) with ``train.compile`` on (off) for the
+    row ``compiled``, whatever its scale says.
 
     Raises:
         GridError: an unknown scale or row.
@@ -50,7 +55,14 @@ def configs(grid: Grid, scale: str, rows: list[str], twins: bool) -> dict[str, R
         out[cell.row.id] = cell.config
         if twins and cell.config.model.moe is not None:
             out[cell.row.id + TWIN] = dataclasses.replace(cell.config, model=dense_twin(cell.config.model))
+        if cell.row.id == compiled:
+            for name, on in ((COMPILED, True), (EAGER, False)):
+                train = dataclasses.replace(cell.config.train, compile=on)
+                out[cell.row.id + name] = dataclasses.replace(cell.config, train=train)
     return out
+
+
+EAGER = ":eager"
 
 
 def setup(cfg: RunConfig) -> tuple[LMModule, torch.optim.Optimizer, torch.Tensor]:
@@ -65,10 +77,17 @@ def setup(cfg: RunConfig) -> tuple[LMModule, torch.optim.Optimizer, torch.Tensor
     return module, opt, batch
 
 
-def measure(runs: dict[str, RunConfig], rounds: int, steps: int) -> dict[str, list[float]]:
+def measure(
+    runs: dict[str, RunConfig], rounds: int, steps: int, setup_times: dict[str, float] | None = None
+) -> dict[str, list[float]]:
     """Tokens/s of each run in each of ``rounds`` rounds; a round times ``steps`` steps of every run
-    in turn, so machine noise hits all of them alike."""
-    setups = {name: setup(cfg) for name, cfg in runs.items()}
+    in turn, so machine noise hits all of them alike. ``setup_times`` gets each run's setup seconds."""
+    setups = {}
+    for name, cfg in runs.items():
+        start = time.perf_counter()
+        setups[name] = setup(cfg)
+        if setup_times is not None:
+            setup_times[name] = time.perf_counter() - start
     figures: dict[str, list[float]] = {r: [] for r in setups}
     for _ in range(rounds):
         for name, (module, opt, batch) in setups.items():

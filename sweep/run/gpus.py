@@ -1,0 +1,65 @@
+"""Which GPUs each local worker of a sweep trains on.
+
+``WORKERS=auto`` on a machine with GPUs starts one worker per GPU (per ``devices`` GPUs for cells
+that train on several), times ``CELLS_PER_GPU`` where memory allows several cells on one card
+(a ``small`` cell peaks near 18 GiB: docs/performance.md). Each worker sees only its own GPUs
+through ``CUDA_VISIBLE_DEVICES``, so every cell's ``cuda:0`` is its own card and Lightning's
+``devices: N`` takes the worker's N. Workers are spread over the GPUs first: worker ``i`` gets
+slot ``i mod slots``, so two workers share a card only when there are more workers than GPUs.
+SLURM jobs (``LAUNCHER=slurm``) keep the GPUs SLURM gives them; nothing here applies to them.
+"""
+
+from __future__ import annotations
+
+import os
+
+#: The environment variable that restricts a process to some GPUs (CUDA's own).
+VISIBLE = "CUDA_VISIBLE_DEVICES"
+
+
+class GpuLayoutError(ValueError):
+    """The cells need more GPUs per worker than this machine shows."""
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` names them (its entries when
+    set, else ``0 .. n-1``); [] without CUDA. Asks torch only when the variable is unset."""
+    named = os.environ.get(VISIBLE)
+    if named is not None:
+        return [g.strip() for g in named.split(",") if g.strip() and g.strip() != "-1"]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
+def auto_workers(devices_per_cell: int, cells_per_gpu: int, gpus: list[str] | None = None) -> int:
+    """``WORKERS=auto``: on a GPU machine, ``cells_per_gpu`` workers per group of
+    ``devices_per_cell`` GPUs; elsewhere one single-threaded worker per CPU core (the fastest
+    way measured on 2 cores)."""
+    gpus = visible_gpus() if gpus is None else gpus
+    if not gpus:
+        return os.cpu_count() or 1
+    return max(1, len(gpus) // devices_per_cell) * cells_per_gpu
+
+
+def worker_environments(
+    count: int, devices_per_cell: int, cells_per_gpu: int, gpus: list[str] | None = None
+) -> list[dict[str, str]]:
+    """The ``CUDA_VISIBLE_DEVICES`` of each of ``count`` workers: worker ``i`` gets group
+    ``i mod groups`` of ``devices_per_cell`` GPUs (module docstring); ``cells_per_gpu`` only
+    says how many are meant to share a group. Empty dicts on a machine without GPUs.
+
+    Raises:
+        GpuLayoutError: a cell needs more GPUs than the machine shows.
+    """
+    gpus = visible_gpus() if gpus is None else gpus
+    if not gpus:
+        return [{} for _ in range(count)]
+    groups = [gpus[i : i + devices_per_cell] for i in range(0, len(gpus), devices_per_cell)]
+    groups = [g for g in groups if len(g) == devices_per_cell]
+    if not groups:
+        raise GpuLayoutError(
+            f"a cell trains on train.devices = {devices_per_cell} GPUs, but this machine shows "
+            f"{len(gpus)} ({VISIBLE}={','.join(gpus)})"
+        )
+    return [{VISIBLE: ",".join(groups[i % len(groups)])} for i in range(count)]

@@ -1,0 +1,68 @@
+"""Every GPU busy (issue 44): the workers a sweep starts on a GPU machine and the GPUs each sees,
+with the machine's GPUs faked (``CUDA_VISIBLE_DEVICES``, torch's device count)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sweep.run import gpus
+from sweep.run.gpus import GpuLayoutError, auto_workers, visible_gpus, worker_environments
+
+
+def test_auto_is_one_worker_per_gpu_times_cells_per_gpu() -> None:
+    eight = [str(i) for i in range(8)]
+    assert auto_workers(1, 1, eight) == 8
+    assert auto_workers(1, 3, eight) == 24
+    assert auto_workers(2, 1, eight) == 4  # cells of devices: 2 take two GPUs a worker
+    assert auto_workers(4, 2, ["0", "1"]) == 2  # fewer GPUs than a cell wants: refused later, not 0
+
+
+def test_auto_without_gpus_is_one_worker_per_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpus.os, "cpu_count", lambda: 6)
+    assert auto_workers(1, 3, []) == 6
+
+
+def test_each_worker_sees_its_own_gpus_spread_first() -> None:
+    envs = worker_environments(6, 1, 2, ["0", "1", "2"])
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0", "1", "2", "0", "1", "2"]
+    pairs = worker_environments(2, 2, 1, ["4", "5", "6", "7"])  # a node's last four, by their names
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in pairs] == ["4,5", "6,7"]
+    assert worker_environments(3, 1, 1, []) == [{}, {}, {}]  # a CPU machine: nothing set
+
+
+def test_a_cell_wider_than_the_machine_is_refused() -> None:
+    with pytest.raises(GpuLayoutError, match="train.devices = 4 GPUs, but this machine shows 2"):
+        worker_environments(1, 4, 1, ["0", "1"])
+
+
+def test_visible_gpus_follow_the_variable_or_the_device_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert visible_gpus() == ["3", "1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert visible_gpus() == []
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert visible_gpus() == ["0", "1", "2", "3"]
+
+
+def test_start_processes_gives_each_worker_its_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The local launcher's real path: each child process prints the CUDA_VISIBLE_DEVICES it got."""
+    import subprocess
+    import sys
+
+    from sweep.run import queue
+    from sweep.signals import StopRequest
+
+    seen: list[str] = []
+    real_popen = subprocess.Popen
+
+    def popen(command, env, **kw):  # noqa: ANN001
+        seen.append(env.get("CUDA_VISIBLE_DEVICES", "<unset>"))
+        return real_popen([sys.executable, "-c", "pass"], env=env, **kw)
+
+    monkeypatch.setattr(queue.subprocess, "Popen", popen)
+    with StopRequest() as stop:
+        queue.start_processes(["x"], 4, stop, print, {}, worker_environments(4, 1, 2, ["0", "1"]))
+    assert seen == ["0", "1", "0", "1"]
