@@ -1,4 +1,5 @@
-"""The one entry point the Makefile calls: ``python -m sweep.cli {sweep,tables,params,tune,stability} ...``.
+"""The one entry point the Makefile calls: ``python -m sweep.cli <command> ...``, one command per
+``make`` target (:data:`sweep.cli_parser.COMMANDS`).
 
 Exit status: 0 on success; 1 when a cell failed or the machine did (a full disk: one line); 2 on
 bad input (grid, store, results folder, corpus) with a one-line message and nothing started, and
@@ -57,7 +58,7 @@ def _cache_root() -> Path | None:
 
 def _command_line() -> str:
     """The command as the tables, manifests and stored report name it: no password."""
-    from sweep.store_urls import hide_password
+    from sweep.passwords import hide_password
 
     return hide_password("python -m sweep.cli " + shlex.join(sys.argv[1:]))
 
@@ -90,7 +91,7 @@ def _main(argv: list[str] | None) -> int:
     from sweep.run.slurm import LauncherError, launcher_for
     from sweep.store_urls import TrackingError
 
-    args = parser(__doc__.splitlines()[0]).parse_args(argv)
+    args = parser().parse_args(argv)
     if args.seeds is not None and not 1 <= args.seeds <= MAX_SEEDS:
         print(f"error: --seeds must be 1 to {MAX_SEEDS}, got {args.seeds}", file=sys.stderr)
         return 2
