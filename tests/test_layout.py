@@ -119,7 +119,7 @@ LAYOUT: tuple = (
     ),
     (
         "tools/",
-        "operational scripts, not installed: GPU, UI and servers checks, benchmarks",
+        "operational scripts, not installed: GPU, UI and servers checks, benchmarks, doc_stats",
         (),
     ),
     ("grids/ notebooks/ results/ tests/ docs/", "", ()),
