@@ -8,7 +8,7 @@
 #   WORKERS  cells trained at once (default auto: one single-threaded worker per CPU core; on a GPU
 #            machine one per GPU, each pinned to its GPU); every sweep hands its cells out through
 #            the Optuna queue in STORAGE
-#   CELLS_PER_GPU  workers per GPU under WORKERS=auto (default 1; 2-3 small cells fit an 80 GB card)
+#   CELLS_PER_GPU  workers per GPU under WORKERS=auto (default 1; make gpu-check measures a cell's peak memory)
 #   STORAGE  Optuna RDB URL for the sweep's queue and the LR search (default results/optuna.db;
 #            a sweep into an MLflow server or database, MLFLOW_TRACKING_URI, must give it)
 #   LAUNCHER local (worker processes here) | slurm (one SLURM job per worker, through submitit; needs
@@ -63,7 +63,54 @@ export GATED_ATTN_CPU_ARITH := native
 endif
 ARGS := --grid '$(GRID)' --scale '$(SCALE)' $(if $(SEEDS),--seeds '$(SEEDS)') $(if $(ROWS),--rows '$(ROWS)') $(if $(FORCE),--force)
 
-.PHONY: test-all test-gpu setup sweep budget data tokenizer-neox example-data corpus-bench results eval tables init-table params tune stability dashboard throughput bench bench-moe gpu-check compare ui ui-check servers-setup servers-check test golden lint clean
+.PHONY: help headline test-all test-gpu setup sweep budget data tokenizer-neox example-data corpus-bench results eval tables init-table params tune stability dashboard throughput bench bench-moe gpu-check compare ui ui-check servers-setup servers-check test golden lint clean
+# `make` alone prints this list; docs/commands.md has every target and variable in tables, and
+# tests/test_cli_help.py checks that every target and every sweep.cli / sweep.browse command is in it
+.DEFAULT_GOAL := help
+define HELP
+make TARGET [GRID=... SCALE=... SEEDS=... ROWS=... ...]; every target and variable: docs/commands.md
+
+Train and report (python -m sweep.cli COMMAND)
+  sweep           train every unfinished cell of GRID at SCALE, score it, write the tables
+  tables          rewrite results/<grid>.* and its figures from the store, no training
+  budget          each row's Δ at 25, 50 and 100 % of training: results/<table>_budget.*
+  eval            benchmark finished runs that lack scores, then the tables
+  params          total, active and added parameters per row, counted from the configs
+  data            build (or check) GRID's corpora at SCALE; DOWNLOAD=1 fetches hub sources first
+  tune            Optuna search of each row's max LR (TRIALS)
+  stability       every row at every rung of the LR ladder (LADDER), never pruned
+  results         every committed table and figure from a fresh clone, in order (hours)
+  headline        results/figures/headline.png from the committed three-seed tables
+Look at the runs (python -m sweep.browse COMMAND)
+  ui              print the URL of GRID's runs, then serve the MLflow UI (PORT)
+  compare         RUNS=a,b: the config keys that differ, every metric, one figure
+  dashboard       optuna-dashboard on the LR searches' storage (DASHBOARD_PORT)
+Data
+  example-data    the JSON-lines and Parquet files grids/own_data.yaml trains on
+  tokenizer-neox  GPT-NeoX-20B's tokenizer.json, offline
+  init-table      the gate at initialisation: results/init_distribution.md
+Checks and benchmarks
+  test            the fast tier of the tests (a few minutes)
+  test-all        every test, each stopped after TEST_TIMEOUT s
+  test-gpu        the tests that need CUDA (skipped without one)
+  lint            ruff check and ruff format --check
+  golden          rewrite tests/golden/micro.json (bump NUMBERS_VERSION first)
+  throughput      tokens/s of each row, the harness against a bare loop (old names: bench, bench-moe)
+  corpus-bench    a streaming build of a 1 GB JSON-lines file (MB)
+  gpu-check       on a GPU: kernel parity, host syncs, small's tokens/s, MFU and memory, packing
+  ui-check        the UI in headless Chromium, with a screenshot
+  servers-setup   install PostgreSQL's server and psycopg
+  servers-check   the many-machines recipe on a throwaway PostgreSQL and MLflow server
+Set-up
+  setup           create .venv (every target does it by itself)
+  clean           remove .venv, .cache and the local stores
+  help            this list
+endef
+
+help:
+	$(info $(HELP))
+	@:
+
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -94,6 +141,7 @@ results: $(STAMP)
 	$(MAKE) sweep GRID=grids/table1.yaml SCALE=cpu_long SEEDS=3 ROWS=$(CPU_LONG_ROWS)
 	$(MAKE) tables GRID=grids/table1.yaml SCALE=cpu_long
 	$(MAKE) budget GRID=grids/table1.yaml SCALE=cpu_long SEEDS=3
+	$(MAKE) headline
 	$(MAKE) sweep GRID=grids/table2.yaml
 	$(MAKE) sweep GRID=grids/table2.yaml SEEDS=3
 	$(MAKE) sweep GRID=grids/table5.yaml
@@ -130,6 +178,11 @@ tables: $(STAMP)
 # store's learning curves: results/<table stem>_budget.{md,csv} (sweep/report/budget.py)
 budget: $(STAMP)
 	$(PY) -m sweep.cli budget $(ARGS)
+
+# the README's headline figure (each row's Δ with its interval at tiny and cpu_long, beside the
+# paper's) from the committed three-seed tables, no store needed; make tables redraws it too
+headline: $(STAMP)
+	$(PY) -m sweep.report.headline
 
 # the gate at initialisation at tiny and paper width, fixed vs width-aware init (results/init_distribution.md)
 init-table: $(STAMP)

@@ -24,7 +24,7 @@ def _ns_sigmoid(z: torch.Tensor) -> torch.Tensor:
     return 0.5 + 0.5 * torch.sigmoid(z)
 
 
-#: The gate activations by name; ``experiments.config.Activation`` lists the same names (a test
+#: The gate activations by name; ``experiments.model_config.Activation`` lists the same names (a test
 #: checks that the two agree).
 ACTIVATIONS = {
     "sigmoid": torch.sigmoid,

@@ -25,21 +25,32 @@ from pathlib import Path
 # main, so a Ctrl-C while they load is one line too.
 
 
+#: Each subcommand and what it does; ``make ui``, ``make compare`` and ``make dashboard`` run them.
+COMMANDS = (
+    ("ui", "print the URL of the grid's runs in the MLflow UI, then serve the UI"),
+    ("compare", "two runs or rows side by side: config keys that differ, metrics, one figure"),
+    ("dashboard", "serve optuna-dashboard on the LR searches' storage"),
+)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sweep.browse", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True)
-    for name, text in (
-        ("ui", "print the URL of the grid's runs in the MLflow UI, then serve the UI"),
-        ("compare", "two runs or rows side by side: config keys that differ, metrics, one figure"),
-    ):
-        s = sub.add_parser(name, help=text)
+    p = argparse.ArgumentParser(
+        prog="python -m sweep.browse",
+        description="Look at what a sweep tracked: the MLflow UI, two runs side by side, the LR searches.",
+        epilog="Exit status: 0 done; 2 bad input (grid, store, --runs), one line; 130 after Ctrl-C.",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, text in COMMANDS:
+        sub.add_parser(name, help=text.replace("%", "%%"), description=text[0].upper() + text[1:] + ".")
+    for name in ("ui", "compare"):
+        s = sub.choices[name]
         s.add_argument("--grid", default="grids/table1.yaml", help="grid YAML file")
         s.add_argument("--scale", default="tiny", help="scale profile of the grid")
         s.add_argument("--results", default="results", help="results folder (store, figures)")
     sub.choices["ui"].add_argument("--port", type=int, default=5000, help="the UI's port on 127.0.0.1")
     sub.choices["ui"].add_argument("--print-only", action="store_true", help="print the URL only")
     sub.choices["compare"].add_argument("--runs", required=True, help="two run ids or row ids, a,b")
-    board = sub.add_parser("dashboard", help="serve optuna-dashboard on the LR searches' storage")
+    board = sub.choices["dashboard"]
     board.add_argument("--results", default="results", help="results folder (results/optuna.db)")
     board.add_argument("--port", type=int, default=8080, help="the dashboard's port on 127.0.0.1")
     return p
@@ -109,7 +120,7 @@ def _compare(runs: str, grid, scale: str, results: Path, tracker) -> int:
 
 def _ui(uri: str, tracker, grid, scale: str, port: int, print_only: bool) -> int:
     from experiments.names import Kind
-    from sweep.store_urls import hide_password
+    from sweep.passwords import hide_password
     from sweep.ui_view import runs_url
 
     served = uri.startswith(("http://", "https://"))
@@ -142,7 +153,8 @@ def _dashboard(results: Path, port: int) -> int:
     """Serve optuna-dashboard on 127.0.0.1:``port`` until Ctrl-C (then 130, one line)."""
     from optuna_dashboard import run_server
 
-    from sweep.store_urls import STORAGE_ENV, TrackingError, hide_password
+    from sweep.passwords import hide_password
+    from sweep.store_urls import STORAGE_ENV, TrackingError
     from sweep.studies import make_storage, storage_url
 
     try:

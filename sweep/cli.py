@@ -1,4 +1,5 @@
-"""The one entry point the Makefile calls: ``python -m sweep.cli {sweep,tables,params,tune,stability} ...``.
+"""The one entry point the Makefile calls: ``python -m sweep.cli <command> ...``, one command per
+``make`` target (:data:`sweep.cli_parser.COMMANDS`).
 
 Exit status: 0 on success; 1 when a cell failed or the machine did (a full disk: one line); 2 on
 bad input (grid, store, results folder, corpus) with a one-line message and nothing started, and
@@ -55,7 +56,7 @@ def _cache_root() -> Path | None:
 
 def _command_line() -> str:
     """The command as the tables, manifests and stored report name it: no password."""
-    from sweep.store_urls import hide_password
+    from sweep.passwords import hide_password
 
     return hide_password("python -m sweep.cli " + shlex.join(sys.argv[1:]))
 
@@ -89,7 +90,7 @@ def _main(argv: list[str] | None) -> int:
     from sweep.run.slurm import LauncherError, launcher_for
     from sweep.store_urls import TrackingError
 
-    args = parser(__doc__.splitlines()[0]).parse_args(argv)
+    args = parser().parse_args(argv)
     if args.seeds is not None and not 1 <= args.seeds <= MAX_SEEDS:
         print(f"error: --seeds must be 1 to {MAX_SEEDS}, got {args.seeds}", file=sys.stderr)
         return 2
@@ -162,13 +163,9 @@ def _main(argv: list[str] | None) -> int:
         if args.command == "worker":
             return _worker(args, grid, cells, results, cache)
         launch = launcher_for(args, max(c.config.train.num_nodes for c in cells))  # one line if unusable
-        from sweep.run.gpus import auto_workers, worker_environments
+        from sweep.run.gpus import sweep_workers
 
-        devices = max(c.config.train.devices for c in cells)
-        if args.workers is None:
-            args.workers = auto_workers(devices, args.cells_per_gpu)
-        if launch is None:  # one line, before anything is enqueued, if the cells need more GPUs
-            worker_environments(args.workers, devices, args.cells_per_gpu)
+        args.workers = sweep_workers(args.workers, cells, args.cells_per_gpu, local=launch is None)
         for ids in grid.same_config_rows(cells):
             print(f"note: rows {', '.join(ids)} have one config at {args.scale}: trained once, shown in each")
         with StopRequest() as stop:

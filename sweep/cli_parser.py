@@ -7,29 +7,37 @@ import os
 
 from sweep.store_urls import STORAGE_ENV
 
+#: Each subcommand and what it does, in the order ``--help`` lists them; ``make help`` names the
+#: same commands as make targets (``tests/test_cli_help.py`` checks both).
+COMMANDS = (
+    ("sweep", "train every unfinished cell, then write the tables"),
+    ("tables", "write results/<grid>.{md,csv,tex} and the figures from the tracking store"),
+    ("budget", "write results/<grid>_budget.{md,csv}: each row's Δ at 25, 50 and 100 % of training"),
+    ("params", "print total, active and added parameters per row (counted, no training)"),
+    ("tune", "Optuna search of each row's max learning rate, then results/<grid>_lr_search.*"),
+    ("stability", "train each row at every rung of the grid's LR ladder, then results/<grid>_lr_ladder.*"),
+    ("worker", "train cells from the sweep's queue until it is empty (started by sweep --workers)"),
+    ("eval", "benchmark finished runs that lack scores (the grid's eval.tasks), then the tables"),
+    ("data", "build (or check) the corpora of the grid's cells, offline unless --download"),
+)
+DESCRIPTION = "Train a grid's cells, score them and write the paper's tables from the tracking store."
+EPILOG = (
+    "Exit status: 0 done; 1 a cell or the machine failed; 2 bad input (one line naming the file, "
+    "the row and the key); 130 after Ctrl-C; 143 after SIGTERM. Each command has a make target "
+    "(make help); docs/commands.md lists them with every variable."
+)
 
-def parser(description: str) -> argparse.ArgumentParser:
+
+def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
     """The command line's parser: the subcommands and their options."""
     from sweep.run.slurm import add_arguments as add_launcher_arguments
     from sweep.studies import HEARTBEAT_S
 
-    p = argparse.ArgumentParser(prog="sweep", description=description)
-    sub = p.add_subparsers(dest="command", required=True)
-    for name, text in (
-        ("sweep", "train every unfinished cell, then write the tables"),
-        ("tables", "write results/<grid>.{md,csv,tex} from the tracking store"),
-        ("budget", "write results/<grid>_budget.{md,csv}: each row's Δ at 25, 50 and 100 % of training"),
-        ("params", "print total, active and added parameters per row (counted, no training)"),
-        ("tune", "Optuna search of each row's max learning rate, then results/<grid>_lr_search.*"),
-        (
-            "stability",
-            "train each row at every rung of the grid's LR ladder, then results/<grid>_lr_ladder.*",
-        ),
-        ("worker", "train cells from the sweep's queue until it is empty (started by sweep --workers)"),
-        ("eval", "benchmark finished runs that lack scores (the grid's eval.tasks), then the tables"),
-        ("data", "build (or check) the corpora of the grid's cells, offline unless --download"),
-    ):
-        s = sub.add_parser(name, help=text)
+    p = argparse.ArgumentParser(prog="python -m sweep.cli", description=description, epilog=EPILOG)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, text in COMMANDS:
+        # argparse %-formats help strings (a "100 %" crashed --help); descriptions it prints as they are
+        s = sub.add_parser(name, help=text.replace("%", "%%"), description=text[0].upper() + text[1:] + ".")
         grid = "grids/stability.yaml" if name == "stability" else "grids/table1.yaml"
         s.add_argument("--grid", default=grid, help="grid YAML file")
         s.add_argument("--scale", default="tiny", help="scale profile of the grid")

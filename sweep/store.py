@@ -1,5 +1,5 @@
 """MLflow glue shared by running, reporting and scoring: explicit store URIs, one experiment per
-(grid, scale), one run per cell.
+(grid, scale), one run per cell; the string literals of MLflow's search filters.
 
 Default store: SQLite at ``results/mlflow.db`` with artifacts under ``results/mlartifacts``
 (never the deprecated file store); ``MLFLOW_TRACKING_URI`` overrides it (e.g. a tracking server
@@ -23,13 +23,27 @@ from experiments.config import to_dict
 from experiments.names import Kind, Status
 from sweep.grid import Cell
 from sweep.sqlite_lock import creation_lock, sqlite_file
-from sweep.store_urls import (
-    TrackingError,
-    check_reachable,
-    first_line,
-    quoted,
-)
+from sweep.store_urls import TrackingError, check_reachable
 from sweep.ui_view import experiment_tags
+
+
+def quoted(value: str) -> str:
+    """``value`` as a string literal of an MLflow search filter (single quotes, else double).
+
+    Raises:
+        ValueError: ``value`` holds both quote characters (the filter grammar has no escape).
+    """
+    for quote in ("'", '"'):
+        if quote not in value:
+            return f"{quote}{value}{quote}"
+    raise ValueError(f"{value!r} cannot be quoted in an MLflow filter: it holds both quote characters")
+
+
+def first_line(err: BaseException) -> str:
+    """``TypeName: first line of the message``: an exception as one line for the user."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"
+
 
 _MLFLOW_END = {Status.FINISHED: "FINISHED", Status.DIVERGED: "FINISHED", Status.KILLED: "KILLED"}
 

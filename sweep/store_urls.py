@@ -1,30 +1,18 @@
-"""Where the stores are, and what may be written into their addresses and queries: the
-tracking store's URI, SQLite URLs of local files, the checks that a store answers, and string
-literals for MLflow's search filters.
+"""Where the stores are, and whether they can be used: the tracking store's URI, SQLite URLs
+of local files, the checks that a store exists and answers, and the error that says it does not
+(:class:`TrackingError`, with any password hidden by :mod:`sweep.passwords`).
 """
 
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
+
+from sweep.passwords import hide_password
 
 #: The Optuna storage URL a worker reads (``--storage`` wins): how the driver hands its workers a
 #: URL that may hold a password without writing it into a command line every user can read in ``ps``.
 STORAGE_ENV = "GATED_ATTN_STORAGE"
-_PASSWORD = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)[^\s@/]+(?=@)")
-
-
-_QUERY_SECRET = re.compile(
-    r"(?P<head>[?&](?:password|passwd|pwd|token|access_token|secret|api_key|apikey)=)[^&\s'\"]+", re.I
-)
-
-
-def hide_password(text: str) -> str:
-    """``text`` with the password of every URL in it replaced by ``***``
-    (``postgresql+psycopg://user:***@host/db``, ``...?password=***``, ``...?token=***``): what may
-    be printed, written into a table or logged."""
-    return _QUERY_SECRET.sub(r"\g<head>***", _PASSWORD.sub(r"\g<head>***", text))
 
 
 class TrackingError(RuntimeError):
@@ -89,24 +77,6 @@ def tracking_uri(results_dir: Path) -> str:
         return sqlite_url(results_dir / "mlflow.db")
     except ValueError as err:
         raise TrackingError(str(err)) from None
-
-
-def quoted(value: str) -> str:
-    """``value`` as a string literal of an MLflow search filter (single quotes, else double).
-
-    Raises:
-        ValueError: ``value`` holds both quote characters (the filter grammar has no escape).
-    """
-    for quote in ("'", '"'):
-        if quote not in value:
-            return f"{quote}{value}{quote}"
-    raise ValueError(f"{value!r} cannot be quoted in an MLflow filter: it holds both quote characters")
-
-
-def first_line(err: BaseException) -> str:
-    """``TypeName: first line of the message``: an exception as one line for the user."""
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0] if lines else ''}"
 
 
 def check_reachable(uri: str, timeout_s: float = 10.0) -> None:

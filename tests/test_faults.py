@@ -19,7 +19,7 @@ from experiments.checkpointing import AtomicCheckpointIO, CheckpointWriteError
 from sweep.cli import main
 from sweep.grid import load_grid
 from sweep.gridfile import GridError
-from sweep.store_urls import quoted
+from sweep.store import quoted
 from tests.support import MICRO, ROOT, swept, use_repo_cache
 
 pytestmark = pytest.mark.slow  # make test-all: processes, signals, faults

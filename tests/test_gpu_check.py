@@ -36,7 +36,8 @@ def test_the_dry_run_passes_every_check_on_the_cpu(
     report = tmp_path / "gpu_check.md"
     assert main(["--dry-run", "--steps", "4", "--report", str(report)]) == 0
     out = capsys.readouterr().out
-    for name in ("expert kernels", "routing", "cell path, micro", "tiny, one cell", "packing cells on one GPU"):
+    checks = ("expert kernels", "routing", "cell path, micro", "tiny, one cell", "packing cells on one GPU")
+    for name in checks:
         assert f"[ok] {name}" in out
     text = report.read_text()
     assert "| host syncs per step between checks (micro MoE, bf16-mixed) | 0 |" in text

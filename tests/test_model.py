@@ -8,9 +8,10 @@ from typing import get_args
 import pytest
 import torch
 
-from experiments.config import Activation, ConfigError, GateConfig, ModelConfig, MoEConfig
+from experiments.config import ConfigError, GateConfig, ModelConfig, MoEConfig
 from experiments.gating import ACTIVATIONS
 from experiments.model import GatedLM, count_active_parameters, count_parameters
+from experiments.model_config import Activation
 from sweep.grid import load_grid
 from tests.support import ROOT
 
@@ -341,7 +342,7 @@ def test_counted_parameters_equal_the_built_models_for_every_variant(name: str) 
 
 
 # Each gate activation and what it computes, by hand. A new activation is one entry here, one name in
-# ``experiments.config.Activation`` and one function in ``experiments.gating.ACTIVATIONS``.
+# ``experiments.model_config.Activation`` and one function in ``experiments.gating.ACTIVATIONS``.
 ACTIVATION_VALUES = {
     "sigmoid": lambda z: 1 / (1 + torch.exp(-z)),
     "silu": lambda z: z / (1 + torch.exp(-z)),

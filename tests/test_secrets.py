@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from sweep.cli import main
+from sweep.passwords import hide_password
 from sweep.run.queue import start_processes
 from sweep.signals import StopRequest
-from sweep.store_urls import STORAGE_ENV, hide_password
+from sweep.store_urls import STORAGE_ENV
 from tests.support import MICRO
 
 SECRET = "S3cr-t_pw"

@@ -13,6 +13,7 @@ from sweep.gridcheck import paper_csv
 from sweep.report.curves import curves_markdown, mean_curves, metric_curves, side_of_reference
 from sweep.report.display import display_table, markdown
 from sweep.report.figures import draw_curve_figures, draw_figures
+from sweep.report.headline import redraw_if_input
 from sweep.report.longctx import (
     build_longctx_table,
     longctx_figure,
@@ -111,6 +112,7 @@ def write_tables(
             staging, paths["md"], command, [*paths.values(), *figures.values()], runs
         )
     store_copies(tracker, paths, figures)
+    redraw_if_input(results_dir, paths["csv"])
     return {**paths, **figures}
 
 

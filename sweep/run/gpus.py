@@ -2,16 +2,18 @@
 
 ``WORKERS=auto`` on a machine with GPUs starts one worker per GPU (per ``devices`` GPUs for cells
 that train on several), times ``CELLS_PER_GPU`` where memory allows several cells on one card
-(a ``small`` cell peaks near 18 GiB: docs/performance.md). Each worker sees only its own GPUs
-through ``CUDA_VISIBLE_DEVICES``, so every cell's ``cuda:0`` is its own card and Lightning's
-``devices: N`` takes the worker's N. Workers are spread over the GPUs first: worker ``i`` gets
-slot ``i mod slots``, so two workers share a card only when there are more workers than GPUs.
+(``make gpu-check`` measures a ``small`` cell's peak memory, alone and packed). Each worker sees
+only its own GPUs through ``CUDA_VISIBLE_DEVICES``, so every cell's ``cuda:0`` is its own card
+and Lightning's ``devices: N`` takes the worker's N. Workers are spread over the GPUs first:
+worker ``i`` gets slot ``i mod slots``, so two workers share a card only when there are more
+workers than GPUs.
 SLURM jobs (``LAUNCHER=slurm``) keep the GPUs SLURM gives them; nothing here applies to them.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 #: The environment variable that restricts a process to some GPUs (CUDA's own).
 VISIBLE = "CUDA_VISIBLE_DEVICES"
@@ -63,3 +65,18 @@ def worker_environments(
             f"{len(gpus)} ({VISIBLE}={','.join(gpus)})"
         )
     return [{VISIBLE: ",".join(groups[i % len(groups)])} for i in range(count)]
+
+
+def sweep_workers(requested: int | None, cells: list[Any], cells_per_gpu: int, local: bool) -> int:
+    """The sweep's worker count: ``requested``, or for ``auto`` (None) :func:`auto_workers` for
+    the widest of ``cells`` (``train.devices``); for ``local`` workers, first checks that the
+    machine has the GPUs they need, so a refusal comes before anything is enqueued.
+
+    Raises:
+        GpuLayoutError: a cell needs more GPUs than the machine shows.
+    """
+    devices = max(c.config.train.devices for c in cells)
+    workers = auto_workers(devices, cells_per_gpu) if requested is None else requested
+    if local:
+        worker_environments(workers, devices, cells_per_gpu)
+    return workers

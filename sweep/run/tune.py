@@ -40,6 +40,7 @@ from experiments.checkpointing import drop_step_checkpoints
 from experiments.names import Kind, Status, TrialOutcome
 from experiments.stability import Diverged
 from sweep.grid import Cell, Grid, Row, run_key
+from sweep.passwords import hide_password
 from sweep.run.cell import StopOnRequest, checkpoint_dir, train_on_ranks
 from sweep.run.ladder import COUNTED, enqueue_rungs, unvisited
 from sweep.run.progress import ProgressPrinter, SweepClock
@@ -47,7 +48,7 @@ from sweep.run.quiet import pin_threads, quiet_lightning
 from sweep.run.sysmetrics import system_metrics
 from sweep.signals import Interrupted, StopRequest
 from sweep.store import Tracker
-from sweep.store_urls import hide_password, tracking_uri
+from sweep.store_urls import tracking_uri
 from sweep.studies import (
     DIVERGED_ATTR,
     ROW_KEY_ATTR,
