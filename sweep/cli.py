@@ -126,6 +126,10 @@ def _main(argv: list[str] | None) -> int:
             cluster = args.command == "sweep" and args.launcher != "local"  # it sizes the jobs
             check_runnable(grid, cells, None if cluster else job_nodes() if args.command == "worker" else 1)
         _writable(results)
+        if args.command == "export":
+            from sweep.export.command import run_export
+
+            return run_export(args, grid, results, _cache_root())
         from sweep.report.write import refuse_a_lost_store, table_paths, write_tables
 
         table_seeds = seeds or list(grid.seeds)  # the seeds asked for, else the grid's own

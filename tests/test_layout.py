@@ -1,9 +1,10 @@
 """The code's shape: imports run one way, no cycles, no module too long to read in one sitting.
 
-``experiments`` (the science) never imports ``sweep`` (the harness). Inside ``sweep``, the three
+``experiments`` (the science) never imports ``sweep`` (the harness). Inside ``sweep``, the four
 jobs - ``sweep.run`` (train cells), ``sweep.report`` (tables and figures), ``sweep.eval``
-(benchmark scores) - import ``experiments`` and the shared base (``sweep.grid``, ``sweep.gridfile``,
-``sweep.store``, ``sweep.studies``, ``sweep.signals``), never one another, and nothing imports the
+(benchmark scores), ``sweep.export`` (transformers folders) - import ``experiments`` and the
+shared base (``sweep.grid``, ``sweep.gridfile``, ``sweep.store``, ``sweep.studies``,
+``sweep.signals``), never one another, and nothing imports the
 entry points (``sweep.cli``, ``sweep.browse``) or the operational scripts of ``tools`` (outside
 the installed package).
 """
@@ -18,7 +19,7 @@ import pytest
 from tests.support import ROOT
 
 PACKAGES = ("experiments", "sweep", "tools")
-JOBS = ("sweep.run", "sweep.report", "sweep.eval")
+JOBS = ("sweep.run", "sweep.report", "sweep.eval", "sweep.export")
 ENTRY_POINTS = ("sweep.cli", "sweep.browse", "tools")
 MAX_LINES = 400
 
