@@ -194,8 +194,7 @@ compare: $(STAMP)
 # DEST= another root, FORCE=1 replaces folders, YARN=4 writes YaRN into the config. Installs the export extra.
 export: $(STAMP)
 	$(PY) -c "import transformers, safetensors, accelerate" 2>/dev/null || $(PY) -m pip install --quiet -e ".[export]"
-	$(PY) -m sweep.cli export --grid '$(GRID)' --scale '$(SCALE)' --runs '$(RUNS)' $(if $(DEST),--dest '$(DEST)') \
-		$(if $(FORCE),--force) $(if $(YARN),--yarn '$(YARN)')
+	$(PY) -m sweep.cli export --grid '$(GRID)' --scale '$(SCALE)' --runs '$(RUNS)'$(if $(DEST), --dest '$(DEST)')$(if $(FORCE), --force)$(if $(YARN), --yarn '$(YARN)')
 
 # prints the URL of GRID's runs at SCALE (the Runs tab, sorted by Avg PPL, a table's columns),
 # then serves the MLflow UI on the store with one worker

@@ -14,10 +14,10 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from experiments.config import ModelConfig
+from experiments.config import GateConfig, ModelConfig
 from experiments.corpus import EOS
 from experiments.hf.folder import write_folder
-from experiments.hf.layout import GATED, QWEN3_MOE, QWEN3_NEXT, family
+from experiments.hf.layout import GATED, QWEN3, QWEN3_MOE, QWEN3_NEXT, family
 from experiments.lm_wrapper import GatedAttnLM
 from experiments.model import GatedLM, YarnScaling
 from sweep.grid import load_grid
@@ -43,6 +43,19 @@ def _rows() -> dict[str, ModelConfig]:
 
 
 ROWS = _rows()
+_DENSE = ModelConfig(
+    vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=32
+)
+#: beyond Tables 1, 3 and 4: dense models (Table 2's), where Qwen3-Next takes its plain SwiGLU path,
+#: and the options only the custom code carries (sandwich norm, no qk-norm), tied embeddings
+EXTRA = {
+    "dense:baseline": _DENSE,
+    "dense:sdpa_headwise": dataclasses.replace(
+        _DENSE, gate=GateConfig(granularity="headwise"), match_params=True, ffn_multiple_of=8
+    ),
+    "dense:sandwich_norm": dataclasses.replace(_DENSE, sandwich_norm=True, tie_embeddings=True),
+    "dense:no_qk_norm_key_gate": dataclasses.replace(_DENSE, qk_norm=False, gate=GateConfig(position="key")),
+}
 
 
 @pytest.fixture(scope="module")
@@ -83,13 +96,14 @@ def test_the_tables_rows_map_to_the_classes_the_issue_names() -> None:
     assert {r for r, f in by_row.items() if f == QWEN3_MOE} == {"baseline", "kv8", "q48", "add_experts"}
     assert {r for r, f in by_row.items() if f == QWEN3_NEXT} == {"sdpa_elementwise", "sdpa_headwise"}
     assert len(ROWS) == 20 and sum(f == GATED for f in by_row.values()) == 14
+    assert [family(cfg) for cfg in EXTRA.values()] == [QWEN3, QWEN3_NEXT, GATED, GATED]
 
 
-@pytest.mark.parametrize("row", sorted(ROWS))
+@pytest.mark.parametrize("row", sorted(ROWS) + sorted(EXTRA))
 def test_an_exported_row_gives_the_harness_logits_and_greedy_tokens(
     row: str, tokenizer_file: Path, tmp_path: Path
 ) -> None:
-    cfg = ROWS[row]
+    cfg = ROWS.get(row) or EXTRA[row]
     model = trained_like(cfg)
     folder = export(model, tokenizer_file, tmp_path / "model")
     remote = family(cfg) == GATED

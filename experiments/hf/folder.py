@@ -120,10 +120,18 @@ def write_folder(
             for name in CUSTOM_CODE:
                 shutil.copyfile(Path(__file__).with_name(name), partial / name)
         (partial / "README.md").write_text(card)
+        for path in partial.iterdir():  # safetensors writes its file 0600: readable as any other file
+            path.chmod(0o666 & ~_umask())
         _replace(partial, dest)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return dest
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _replace(new: Path, dest: Path) -> None:

@@ -17,13 +17,10 @@ def model_card(job: ExportJob, folder_name: str) -> str:
     name = family(cfg.model)
     remote = name == GATED
     train = cfg.train
-    paper = "—"
-    if job.row is not None and job.row.paper_row is not None:
-        paper = f"row {job.row.paper_row}" + (f" of {job.row.paper_table}" if job.row.paper_table else "")
     facts = [
         ("grid", tags.get("grid", "—")),
         ("row", f"{tags.get('row', '—')}: {tags.get('label', '')}".rstrip(": ")),
-        ("paper row", paper),
+        ("paper row", job.paper_row),
         ("scale", tags.get("scale", "—")),
         ("seed", str(cfg.seed)),
         ("training tokens", f"{train.max_steps * train.batch_size * train.seq_len:,}"),

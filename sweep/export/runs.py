@@ -34,8 +34,8 @@ class ExportJob:
     """The MLflow run (``finished``)."""
     config: RunConfig
     """The run's resolved config (its ``config.yaml`` artifact)."""
-    row: Row | None
-    """The grid's row, when the run was named by its row id (None for a bare run id)."""
+    paper_row: str
+    """The paper's row the run stands for (``row 5 of table1_moe``), or ``—``."""
     experiment: str
     """The run's experiment (``<grid>-<scale>``)."""
     checkpoint: Path
@@ -45,8 +45,8 @@ class ExportJob:
 
     @property
     def name(self) -> str:
-        """``<row>_s<seed>`` from the run's tags."""
-        return f"{self.run.data.tags.get('row', 'run')}_s{self.config.seed}"
+        """``<row>_s<seed>``: the folder's name."""
+        return self.dest.name
 
 
 def export_jobs(
@@ -67,7 +67,7 @@ def export_jobs(
         row = next((r for r in grid.rows if r.id == name), None)
         runs = _row_runs(grid, scale, row, tracker) if row is not None else [(_run(name, tracker), None)]
         for run, config in runs:
-            jobs.append(_job(run, config, row, tracker, dest_root, force))
+            jobs.append(_job(run, config, _paper_row(grid, run, row), tracker, dest_root, force))
     seen: dict[Path, str] = {}
     for job in jobs:
         if job.dest in seen and seen[job.dest] != job.run.info.run_id:
@@ -109,8 +109,19 @@ def _run(name: str, tracker: Tracker) -> Any:
         ) from None
 
 
+def _paper_row(grid: Grid, run: Any, row: Row | None) -> str:
+    """``row N of <paper table>`` for a row of ``grid`` (a run id's too, when it is this grid's)."""
+    tags = run.data.tags
+    if row is None and tags.get("grid") == grid.name:
+        row = next((r for r in grid.rows if r.id == tags.get("row")), None)
+    if row is None or row.paper_row is None:
+        return "—"
+    table = row.paper_table or grid.paper_table
+    return f"row {row.paper_row}" + (f" of {table}" if table else "")
+
+
 def _job(
-    run: Any, config: RunConfig | None, row: Row | None, tracker: Tracker, dest_root: Path, force: bool
+    run: Any, config: RunConfig | None, paper_row: str, tracker: Tracker, dest_root: Path, force: bool
 ) -> ExportJob:
     run_id, status = run.info.run_id, run.data.tags.get("status")
     if run.data.tags.get("kind") != Kind.CELL:
@@ -125,11 +136,10 @@ def _job(
         raise ExportError(f"RUNS: run {run_id}: checkpoint {checkpoint} is {problem}: retrain its cell")
     config = config or _stored_config(run, tracker)
     experiment = tracker.experiment_name_of(run)
-    job = ExportJob(run, config, row, experiment, checkpoint, Path())
-    dest = dest_root / experiment / job.name
+    dest = dest_root / experiment / f"{run.data.tags.get('row', 'run')}_s{config.seed}"
     if dest.exists() and not force:
         raise ExportError(f"{dest} exists: FORCE=1 replaces it")
-    return ExportJob(run, config, row, experiment, checkpoint, dest)
+    return ExportJob(run, config, paper_row, experiment, checkpoint, dest)
 
 
 def _stored_config(run: Any, tracker: Tracker) -> RunConfig:
