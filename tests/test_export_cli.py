@@ -175,3 +175,16 @@ def test_a_missing_store_is_refused_without_creating_one(tmp_path: Path, capsys)
     code = main(["export", "--results", str(tmp_path / "results"), "--runs", "baseline"])
     assert code == 2 and "nothing to export (make sweep makes it)" in capsys.readouterr().err
     assert not (tmp_path / "results" / "mlflow.db").exists()
+
+
+def test_a_missing_export_extra_is_one_line_naming_the_install(
+    micro: dict, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sweep.export import command
+
+    monkeypatch.setattr(command, "PACKAGES", ("transformers", "no_such_package_for_export"))
+    assert export(micro, tmp_path, "baseline") == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: export needs no_such_package_for_export: pip install -e '.[export]' (make export installs it)"
+    )
+    assert not tmp_path.joinpath("micro-tiny").exists()
