@@ -44,6 +44,9 @@ SYSTEM_METRICS ?= 1
 CPU_ARITH ?=
 DASHBOARD_PORT ?= 8080
 RUNS ?=
+# make export: the folders' root (default results/export) and a YaRN factor written into their config
+DEST ?=
+YARN ?=
 # A CPU build of torch here; any CUDA build >= 2.5 works elsewhere (TORCH_SPEC="torch" or preinstalled).
 # TORCH_SPEC only matters when .venv has no torch yet (`make clean` first to switch builds).
 TORCH_SPEC ?= torch==2.13.0
@@ -63,7 +66,7 @@ export GATED_ATTN_CPU_ARITH := native
 endif
 ARGS := --grid '$(GRID)' --scale '$(SCALE)' $(if $(SEEDS),--seeds '$(SEEDS)') $(if $(ROWS),--rows '$(ROWS)') $(if $(FORCE),--force)
 
-.PHONY: help headline test-all test-gpu setup sweep budget data tokenizer-neox example-data corpus-bench results eval tables init-table params tune stability dashboard throughput bench bench-moe gpu-check compare ui ui-check servers-setup servers-check test golden lint clean
+.PHONY: help headline export test-all test-gpu setup sweep budget data tokenizer-neox example-data corpus-bench results eval tables init-table params tune stability dashboard throughput bench bench-moe gpu-check compare ui ui-check servers-setup servers-check test golden lint clean
 # `make` alone prints this list; docs/commands.md has every target and variable in tables, and
 # tests/test_cli_help.py checks that every target and every sweep.cli / sweep.browse command is in it
 .DEFAULT_GOAL := help
@@ -81,6 +84,7 @@ Train and report (python -m sweep.cli COMMAND)
   stability       every row at every rung of the LR ladder (LADDER), never pruned
   results         every committed table and figure from a fresh clone, in order (hours)
   headline        results/figures/headline.png from the committed three-seed tables
+  export          RUNS=a,b: finished runs as Hugging Face transformers folders (DEST, FORCE)
 Look at the runs (python -m sweep.browse COMMAND)
   ui              print the URL of GRID's runs, then serve the MLflow UI (PORT)
   compare         RUNS=a,b: the config keys that differ, every metric, one figure
@@ -242,6 +246,13 @@ servers-check: servers-setup
 # two runs or two rows of GRID side by side: RUNS=baseline,sdpa_elementwise (row ids) or run ids
 compare: $(STAMP)
 	$(PY) -m sweep.browse compare --grid '$(GRID)' --scale '$(SCALE)' --runs '$(RUNS)'
+
+# each finished run of RUNS (row ids: every seed's; or run ids) as a Hugging Face transformers folder,
+# results/export/<experiment>/<row>_s<seed>/: config, safetensors, tokenizer, model card (docs/export.md).
+# DEST= another root, FORCE=1 replaces folders, YARN=4 writes YaRN into the config. Installs the export extra.
+export: $(STAMP)
+	$(PY) -c "import transformers, safetensors, accelerate" 2>/dev/null || $(PY) -m pip install --quiet -e ".[export]"
+	$(PY) -m sweep.cli export --grid '$(GRID)' --scale '$(SCALE)' --runs '$(RUNS)'$(if $(DEST), --dest '$(DEST)')$(if $(FORCE), --force)$(if $(YARN), --yarn '$(YARN)')
 
 # prints the URL of GRID's runs at SCALE (the Runs tab, sorted by Avg PPL, a table's columns),
 # then serves the MLflow UI on the store with one worker

@@ -83,6 +83,7 @@ def _main(argv: list[str] | None) -> int:
     # Imported here, not at the top: a Ctrl-C while they load (a second or so) is then one line.
     from experiments.corpus import CorpusDamaged, CorpusError
     from experiments.names import Outcome
+    from sweep.eval.after import score_benchmarks, score_long_context
     from sweep.eval.suite import BenchError
     from sweep.grid import MAX_SEEDS, load_grid
     from sweep.gridfile import GridError
@@ -126,6 +127,10 @@ def _main(argv: list[str] | None) -> int:
             cluster = args.command == "sweep" and args.launcher != "local"  # it sizes the jobs
             check_runnable(grid, cells, None if cluster else job_nodes() if args.command == "worker" else 1)
         _writable(results)
+        if args.command == "export":
+            from sweep.export.command import run_export
+
+            return run_export(args, grid, results, _cache_root())
         from sweep.report.write import refuse_a_lost_store, table_paths, write_tables
 
         table_seeds = seeds or list(grid.seeds)  # the seeds asked for, else the grid's own
@@ -149,8 +154,8 @@ def _main(argv: list[str] | None) -> int:
 
             return build_corpora(grid, cells, cache, args.download)
         if args.command == "eval":
-            failed = _evaluate(grid, args.scale, cells, results, cache, asked=True)
-            failed += _long_context(grid, args.scale, cells, results, cache)
+            failed = score_benchmarks(grid, args.scale, cells, results, cache, asked=True)
+            failed += score_long_context(grid, args.scale, cells, results, cache)
             paths = write_tables(grid, args.scale, results, _command_line(), table_seeds)
             print(f"table: {paths['md']} (also .csv, .tex)")
             return 1 if failed else 0
@@ -187,11 +192,11 @@ def _main(argv: list[str] | None) -> int:
             print("state saved; run the same command again to resume")
             return stop.exit_code
         try:
-            bench_failed = _evaluate(grid, args.scale, cells, results, cache)
+            bench_failed = score_benchmarks(grid, args.scale, cells, results, cache)
         except BenchError as err:  # the benchmark data, not the runs: the tables are still written
             print(f"error: {err}", file=sys.stderr)
             bench_failed = 1
-        bench_failed += _long_context(grid, args.scale, cells, results, cache)
+        bench_failed += score_long_context(grid, args.scale, cells, results, cache)
         minutes = (time.perf_counter() - started) / 60
         paths = write_tables(grid, args.scale, results, _command_line(), table_seeds)
         print(f"sweep finished in {minutes:.1f} min: {summary_line(outcomes)}")
@@ -218,47 +223,6 @@ def _main(argv: list[str] | None) -> int:
     except (GridError, TrackingError, UsageError, LauncherError, BenchError, GpuLayoutError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-
-
-def _evaluate(grid, scale: str, cells, results: Path, cache: Path | None, asked: bool = False) -> int:
-    """Benchmark the finished runs that lack scores (after a sweep only at the grid's
-    ``eval.scales``; ``make eval`` at any); return how many evaluations failed."""
-    if not grid.eval.tasks:
-        return 0
-    if not asked and not grid.eval.scored_by_sweep(scale):
-        where = ", ".join(grid.eval.scales)
-        print(f"benchmarks: not scored at {scale} (the grid scores at {where}); make eval scores them")
-        return 0
-    from sweep.eval.scores import evaluate_missing, runnable_tasks
-    from sweep.store import Tracker, experiment_name
-    from sweep.store_urls import tracking_uri
-
-    tracker = Tracker(tracking_uri(results), experiment_name(grid.name, scale), results / "mlartifacts")
-    spec = grid.eval.for_scale(scale, sweep=not asked)
-    started = time.monotonic()
-    done, failed = evaluate_missing(tracker, cells, spec, cache)
-    if done or failed:
-        print(
-            f"benchmarks ({', '.join(runnable_tasks(spec))}): {done} runs scored, {failed} failed "
-            f"in {time.monotonic() - started:.0f} s"
-        )
-    return failed
-
-
-def _long_context(grid, scale: str, cells, results: Path, cache: Path | None) -> int:
-    """Score the finished runs of the grid's ``longctx.rows`` that lack long-context scores;
-    return how many evaluations failed."""
-    if grid.longctx is None:
-        return 0
-    from sweep.eval.longctx_run import score_missing_long_context
-    from sweep.store import Tracker, experiment_name
-    from sweep.store_urls import tracking_uri
-
-    tracker = Tracker(tracking_uri(results), experiment_name(grid.name, scale), results / "mlartifacts")
-    done, failed = score_missing_long_context(tracker, grid, cells, cache)
-    if done or failed:
-        print(f"long context: {done} runs scored, {failed} failed")
-    return failed
 
 
 def _budget(grid, scale: str, results: Path, seeds: list[int]) -> int:

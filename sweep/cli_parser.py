@@ -78,4 +78,19 @@ def parser(description: str = DESCRIPTION) -> argparse.ArgumentParser:
             s.add_argument("--ladder", default=None, help="fixed max LRs, a,b,c (grid sampler)")
         if name == "stability":
             s.add_argument("--ladder", default=None, help="max LRs a,b,c (default: the grid's lr_ladder)")
+    _export_parser(sub)
     return p
+
+
+def _export_parser(sub) -> None:
+    s = sub.add_parser(
+        "export", help="each finished run as a Hugging Face transformers folder (docs/export.md)"
+    )
+    s.add_argument("--grid", default="grids/table1.yaml", help="grid YAML file")
+    s.add_argument("--scale", default="tiny", help="scale profile of the grid")
+    s.add_argument("--results", default="results", help="results folder (store, checkpoints)")
+    s.add_argument("--runs", required=True, help="row ids (every seed's finished run) or run ids, a,b")
+    s.add_argument("--dest", default=None, help="root of the folders (default <results>/export)")
+    s.add_argument("--force", action="store_true", help="replace folders that exist")
+    s.add_argument("--yarn", type=float, default=None, help="write YaRN at this factor into the config")
+    s.set_defaults(seeds=None, rows=None)

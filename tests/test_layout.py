@@ -1,10 +1,11 @@
 """The code's shape: imports run one way, no cycles, no module too long to read in one sitting, and
 a layout CONTRIBUTING.md shows as it is.
 
-``experiments`` (the science) never imports ``sweep`` (the harness). Inside ``sweep``, the three
+``experiments`` (the science) never imports ``sweep`` (the harness). Inside ``sweep``, the four
 jobs - ``sweep.run`` (train cells), ``sweep.report`` (tables and figures), ``sweep.eval``
-(benchmark scores) - import ``experiments`` and the shared base (``sweep.grid``, ``sweep.gridfile``,
-``sweep.store``, ``sweep.studies``, ``sweep.signals``), never one another, and nothing imports the
+(benchmark scores), ``sweep.export`` (transformers folders) - import ``experiments`` and the
+shared base (``sweep.grid``, ``sweep.gridfile``, ``sweep.store``, ``sweep.studies``,
+``sweep.signals``), never one another, and nothing imports the
 entry points (``sweep.cli``, ``sweep.browse``) or the operational scripts of ``tools`` (outside
 the installed package).
 
@@ -23,7 +24,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("experiments", "sweep", "tools")
-JOBS = ("sweep.run", "sweep.report", "sweep.eval")
+JOBS = ("sweep.run", "sweep.report", "sweep.eval", "sweep.export")
 ENTRY_POINTS = ("sweep.cli", "sweep.browse", "tools")
 #: Code lines per module at most: docstrings, comments and blank lines do not count, so a module
 #: keeps room to explain itself.
@@ -81,6 +82,7 @@ LAYOUT: tuple = (
                 "long context (Table 5): PPL, passkey, F-Attn by length, with and without YaRN",
             ),
             ("longctx_config.py", "the grid's longctx: settings (no torch import)"),
+            ("hf/", "a trained model as a transformers folder: its class, renamed weights, custom code"),
         ),
     ),
     (
@@ -108,6 +110,7 @@ LAYOUT: tuple = (
                 "eval/",
                 "benchmark scores: offline suite, lm-eval, HumanEval executor, long context, RULER",
             ),
+            ("export/", "finished runs as transformers folders: which runs, the checks, the model card"),
             ("paper/", "the paper's own numbers, one CSV per table"),
             (
                 "cli.py, cli_parser.py",
