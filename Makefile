@@ -216,10 +216,11 @@ throughput: $(STAMP)
 # the names of one release ago
 bench bench-moe: throughput
 
-# on a lent GPU: the CUDA path of every part, tokens/s and MFU at `small` (tools/gpu_check.py).
-# A machine without network: `make gpu-check GPU_PY=python3` with the packages already there.
+# on a lent GPU, in minutes: kernel parity, routing, host syncs, small's tokens/s, MFU and memory,
+# cells packed on one GPU; one report, results/gpu_check.md (tools/gpu_check.py). A machine without
+# network: `make gpu-check GPU_PY=python3` (torch and Lightning suffice). DRY_RUN=1: on the CPU.
 gpu-check: $(if $(GPU_PY),,$(STAMP))
-	$(or $(GPU_PY),$(PY)) -m tools.gpu_check
+	$(or $(GPU_PY),$(PY)) -m tools.gpu_check $(if $(DRY_RUN),--dry-run)
 
 # the UI as a user sees it: headless Chromium (installed from Debian if missing) on the URL
 # `make ui` prints must show every cell run and Avg PPL; screenshot results/figures/ui_runs.png.

@@ -196,6 +196,9 @@ class LMModule(pl.LightningModule):
         for m in self.model.modules():  # before any compiled forward: the path is fixed in the graph
             if isinstance(m, MoEFFN) and m.experts_path is None:
                 choose_experts_path(m, self.device, dtype)
+        looped = [p for p in self.experts_paths() if p.startswith("looped")]
+        if looped and self.trainer.is_global_zero:  # slower, never silent (and the run's moe_experts tag)
+            print(f"note: the MoE experts run one expert at a time ({looped[0]})", flush=True)
         if self.global_step == 0 and self.probe_tokens is not None and self.logger is not None:
             tokens = self.probe_tokens[:INIT_PROBE_SEQS].to(self.device)
             with scoring_precision(self.device):  # on every rank: a MoE forward all-reduces
