@@ -18,6 +18,12 @@ from pathlib import Path
 
 from sweep.cli_parser import parser
 
+# Scoring runs torch on every core (sweep.eval.scores). OpenMP's default wait policy spins between
+# parallel regions; on 2 cores others were loading, a first scoring run took 37-88 s spinning
+# against 6.2-6.8 s passive (docs/corpus.md, "Scoring"). Read once, when torch loads: set before
+# any import of it. Single-threaded training workers have no parallel region to wait in.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 class UsageError(RuntimeError):
     """Bad input that is not in a grid file (a results folder, say)."""

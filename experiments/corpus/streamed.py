@@ -24,6 +24,7 @@ import experiments.corpus.documents as D
 import experiments.corpus.sources as sources
 from experiments.config import DataConfig, to_dict
 from experiments.corpus.bpe import train_bpe
+from experiments.corpus.encoders import Mismatch, SampleCheck, TokenizersEncoder, document_encoder, pipelined
 from experiments.corpus.reader import EOS, MANIFEST, SPLITS, TOKENIZER_FILE, CorpusError, manifest_header
 from experiments.data_config import SourceSpec
 
@@ -84,12 +85,15 @@ def train_texts(cfg: DataConfig, specs: list[SourceSpec], downloads: Path) -> It
     for spec in specs:
         cap = min(cfg.max_chars_per_source, BPE_SAMPLE_CHARS) if spec.package else BPE_SAMPLE_CHARS
         chars = 0
-        for doc in D.documents(spec, downloads):
-            if split_of(spec.label, doc.doc_id, cfg) == "train" and doc.text.strip():
-                yield doc.text
-                chars += len(doc.text)
-                if chars >= cap:
-                    break
+        for batch in D.batches(spec, downloads, _BATCH_CHARS):
+            for doc in batch:
+                if split_of(spec.label, doc.doc_id, cfg) == "train" and _not_blank(doc.text):
+                    yield doc.text
+                    chars += len(doc.text)
+                    if chars >= cap:
+                        break
+            if chars >= cap:
+                break
 
 
 def write_corpus(
@@ -116,7 +120,17 @@ def write_corpus(
         f"corpus {digest}: tokenizer vocab {tokenizer.get_vocab_size()}, end of document {eos} "
         f"{time.perf_counter() - t_start:.1f}s"
     )
-    body = build_streamed(cfg, specs, tokenizer, eos_id, out, downloads, log)
+    encoder = document_encoder(tokenizer, add_special_tokens=True, log=log)
+    try:
+        body = build_streamed(
+            cfg, specs, SampleCheck(encoder, _reference(tokenizer)), eos_id, out, downloads, log
+        )
+    except Mismatch as err:
+        log(f"corpus {digest}: {err}; encoding with HF tokenizers instead")
+        for stale in [*out.glob(".train-*.part"), *out.glob("val/*.bin"), *out.glob("test/*.bin")]:
+            stale.unlink()
+        encoder = _reference(tokenizer)
+        body = build_streamed(cfg, specs, SampleCheck(encoder, encoder), eos_id, out, downloads, log)
     tokens = {"file": TOKENIZER_FILE, "vocab_size": tokenizer.get_vocab_size(), "eos_id": eos_id, "eos": eos}
     seconds = round(time.perf_counter() - t_start, 2)
     manifest = {**manifest_header(to_dict(cfg), digest), "build_seconds": seconds, **body}
@@ -131,7 +145,7 @@ def write_corpus(
 def build_streamed(
     cfg: DataConfig,
     specs: list[SourceSpec],
-    tokenizer: Tokenizer,
+    encoder: SampleCheck,
     eos_id: int,
     out: Path,
     downloads: Path,
@@ -146,9 +160,10 @@ def build_streamed(
             without a document in some split.
     """
     domains = sorted({domain_of(s) for s in specs})
-    dtype = np.dtype(np.uint16 if tokenizer.get_vocab_size() <= 65536 else np.uint32)
-    (out / "val").mkdir()
-    (out / "test").mkdir()
+    vocab_size = encoder.reference.tokenizer.get_vocab_size()
+    dtype = np.dtype(np.uint16 if vocab_size <= 65536 else np.uint32)
+    (out / "val").mkdir(exist_ok=True)
+    (out / "test").mkdir(exist_ok=True)
     parts = {d: out / f".train-{d}.part" for d in domains}
     files: dict[str, Any] = {"train": "train.bin", "val": {}, "test": {}}
     handles: dict[tuple[str, str], BinaryIO] = {}
@@ -161,9 +176,7 @@ def build_streamed(
     entries = []
     try:
         for spec in specs:
-            entries.append(
-                _encode_source(spec, cfg, tokenizer, eos_id, dtype, handles, totals, downloads, log)
-            )
+            entries.append(_encode_source(spec, cfg, encoder, eos_id, dtype, handles, totals, downloads, log))
     finally:
         for fh in handles.values():
             fh.close()
@@ -175,11 +188,13 @@ def build_streamed(
                     f"(each goes to val / test with odds {cfg.val_fraction} / {cfg.test_fraction})"
                 )
     spans, start = {}, 0
-    with open(out / "train.bin", "wb") as train:
+    os.replace(parts[domains[0]], out / "train.bin")  # the first domain's part is the file's start
+    with open(out / "train.bin", "ab") as train:
         for d in domains:  # the domains one after another, as the package build writes them
-            with open(parts[d], "rb") as part:
-                shutil.copyfileobj(part, train, 1 << 24)
-            os.remove(parts[d])
+            if d != domains[0]:
+                with open(parts[d], "rb") as part:
+                    shutil.copyfileobj(part, train, 1 << 24)
+                os.remove(parts[d])
             spans[d] = [start, start + totals["train"][d]]
             start += totals["train"][d]
     return {"domains": domains, "dtype": dtype.name, "files": files, "tokens": totals, "train_spans": spans,
@@ -189,7 +204,7 @@ def build_streamed(
 def _encode_source(
     spec: SourceSpec,
     cfg: DataConfig,
-    tokenizer: Tokenizer,
+    encoder: SampleCheck,
     eos_id: int,
     dtype: np.dtype,
     handles: dict[tuple[str, str], BinaryIO],
@@ -201,54 +216,62 @@ def _encode_source(
     progress = _Progress(spec, log)
     counts = dict.fromkeys(SPLITS, 0)
     docs = dict.fromkeys(SPLITS, 0)
-    chars = 0
+    chars = seen = 0
     token_cap = spec.max_tokens or float("inf")
     char_cap = cfg.max_chars_per_source if spec.kind == "package" else float("inf")  # files, hub: max_tokens
-    eos = np.array([eos_id], dtype=dtype)
-    seen = 0
-    for batch in _batches(D.documents(spec, downloads)):
-        encodings = tokenizer.encode_batch_fast([doc.text for doc in batch], add_special_tokens=True)
-        full = False
-        for doc, enc in zip(batch, encodings):
-            seen += 1
-            tokens = len(enc.ids) + (0 if enc.ids and enc.ids[-1] == eos_id else 1)
-            kept = sum(docs.values())
-            if kept >= 3 and (chars + len(doc.text) > char_cap or sum(counts.values()) + tokens > token_cap):
-                full = True  # stop, not skip: skipping would favour short documents
-                break
-            split = split_of(spec.label, doc.doc_id, cfg)
-            fh = handles[(split, domain)]
-            fh.write(np.asarray(enc.ids, dtype=dtype).tobytes())
-            if tokens > len(enc.ids):
-                fh.write(eos.tobytes())
-            counts[split] += tokens
-            docs[split] += 1
-            chars += len(doc.text)
-            progress.update(doc.nbytes, tokens)
-        if full:
+    encode = lambda batch: encoder.encode(batch[1])  # noqa: E731
+    for (batch, texts), (flat, lengths) in pipelined(
+        _texts(D.batches(spec, downloads, _BATCH_CHARS)), encode
+    ):
+        ends = np.cumsum(lengths)
+        ends_eos = (lengths > 0) & (flat[np.maximum(ends - 1, 0)] == eos_id) if flat.size else lengths < 0
+        tokens = lengths + ~ends_eos  # the post-processor may have ended it with eos already
+        n_chars = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
+        # Stop, not skip, at the first document past a cap (skipping would favour short documents),
+        # once each source has 3 (one per split).
+        past = (sum(docs.values()) + np.arange(len(batch)) >= 3) & (
+            (chars + np.cumsum(n_chars) > char_cap) | (sum(counts.values()) + np.cumsum(tokens) > token_cap)
+        )
+        stop = int(np.argmax(past)) if past.any() else len(batch)
+        seen += min(stop + 1, len(batch))
+        flat = flat[: ends[stop - 1]] if stop else flat[:0]
+        flat = np.insert(flat, ends[:stop][~ends_eos[:stop]], eos_id)  # each document, then eos
+        split = np.array([SPLITS.index(split_of(spec.label, doc.doc_id, cfg)) for doc in batch[:stop]])
+        by_token = np.repeat(split, tokens[:stop])
+        for code, name in enumerate(SPLITS):
+            part = flat[by_token == code]
+            if part.size:
+                handles[(name, domain)].write(part.astype(dtype).tobytes())
+            counts[name] += int(part.size)
+            docs[name] += int((split == code).sum())
+        chars += int(n_chars[:stop].sum())
+        progress.update(sum(doc.nbytes for doc in batch[:stop]), int(tokens[:stop].sum()), stop)
+        if stop < len(batch):
             break
     if not sum(docs.values()):
         raise CorpusError(f"source '{spec.label}': yielded no non-empty documents")
-    for split in SPLITS:
-        totals[split][domain] += counts[split]
+    for split_name in SPLITS:
+        totals[split_name][domain] += counts[split_name]
     log(progress.done(sum(docs.values()), seen))
     return {"name": spec.label, "kind": spec.kind, "domain": domain, "spec": _spec_record(spec),
             **_provenance(spec), "n_docs": docs, "tokens": counts, "chars": chars}  # fmt: skip
 
 
-def _batches(docs: Iterator[D.Doc]) -> Iterator[list[D.Doc]]:
-    batch, size = [], 0
-    for doc in docs:
-        text = doc.text.replace("\r\n", "\n")
-        if not text.strip():  # a whitespace-only document would be a lone eos
-            continue
-        batch.append(D.Doc(doc.doc_id, text, doc.nbytes))
-        size += len(text)
-        if size >= _BATCH_CHARS:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
+def _texts(batches: Iterator[list[D.Doc]]) -> Iterator[tuple[list[D.Doc], list[str]]]:
+    """Each batch's documents and texts, CRLF made LF, whitespace-only ones left out (a lone eos)."""
+    for batch in batches:
+        texts = [doc.text.replace("\r\n", "\n") for doc in batch]
+        kept = [i for i, text in enumerate(texts) if _not_blank(text)]
+        if kept:
+            yield [batch[i] for i in kept], [texts[i] for i in kept]
+
+
+def _not_blank(text: str) -> bool:
+    return bool(text) and not text.isspace()  # text.strip(), without copying the text
+
+
+def _reference(tokenizer: Tokenizer) -> TokenizersEncoder:
+    return TokenizersEncoder(tokenizer, add_special_tokens=True)
 
 
 def _spec_record(spec: SourceSpec) -> dict[str, Any]:
@@ -316,10 +339,10 @@ class _Progress:
         self.bytes = self.tokens = self.docs = 0
         self.total = sum(p.stat().st_size for p in D.matched_files(spec)) if spec.kind == "files" else None
 
-    def update(self, nbytes: int, tokens: int) -> None:
+    def update(self, nbytes: int, tokens: int, docs: int) -> None:
         self.bytes += nbytes
         self.tokens += tokens
-        self.docs += 1
+        self.docs += docs
         now = time.perf_counter()
         if now - self.last < _PROGRESS_EVERY_S:
             return
