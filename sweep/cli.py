@@ -18,10 +18,8 @@ from pathlib import Path
 
 from sweep.cli_parser import parser
 
-# Scoring runs torch on every core (sweep.eval.scores). OpenMP's default wait policy spins between
-# parallel regions; on 2 cores others were loading, a first scoring run took 37-88 s spinning
-# against 6.2-6.8 s passive (docs/corpus.md, "Scoring"). Read once, when torch loads: set before
-# any import of it. Single-threaded training workers have no parallel region to wait in.
+# Scoring runs torch on every core: spinning OpenMP threads made a first scoring pass on loaded cores
+# 37-88 s instead of 6.2-6.8 s (docs/corpus.md, "Scoring"). Read when torch loads: set before it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
@@ -148,7 +146,7 @@ def _main(argv: list[str] | None) -> int:
             print(f"wrote {', '.join(map(str, paths.values()))}")
             return 0
         if args.command == "budget":
-            return _budget(grid, args.scale, results, table_seeds)
+            return _budget(grid, args.scale, results, table_seeds, rows)
         cache = _cache_root()
         if args.command == "data":
             from sweep.run.corpora import build_corpora
@@ -263,8 +261,9 @@ def _long_context(grid, scale: str, cells, results: Path, cache: Path | None) ->
     return failed
 
 
-def _budget(grid, scale: str, results: Path, seeds: list[int]) -> int:
-    """``make budget``: ``results/<stem>_budget.{md,csv}`` (:mod:`sweep.report.budget`).
+def _budget(grid, scale: str, results: Path, seeds: list[int], rows: list[str] | None = None) -> int:
+    """``make budget``: ``results/<stem>_budget.{md,csv}`` (:mod:`sweep.report.budget`) of ``rows``
+    (``ROWS``; default all) and their references.
 
     Raises:
         UsageError: no store, or no finished run in it, to report from (nothing is written).
@@ -276,7 +275,7 @@ def _budget(grid, scale: str, results: Path, seeds: list[int]) -> int:
     if lost is not None:
         raise UsageError(f"tracking store {lost[0]} is {lost[1]}: nothing to report (make sweep first)")
     try:
-        paths = write_budget(grid, scale, results, _command_line(), seeds)
+        paths = write_budget(grid, scale, results, _command_line(), seeds, rows)
     except ValueError as err:
         raise UsageError(str(err)) from None
     print(f"wrote {', '.join(map(str, paths.values()))}")

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from tokenizers import AddedToken, Tokenizer, normalizers, pre_tokenizers, processors
 
-import experiments.corpus.documents as D
 import experiments.corpus.encoders as E
+import experiments.corpus.prefetch as prefetch
 from experiments import corpus as C
 from experiments.config import DataConfig, from_dict
 from experiments.corpus.bpe import train_bpe
@@ -214,7 +214,7 @@ def test_a_sampled_mismatch_rebuilds_with_tokenizers_after_one_line(
 def test_the_reader_stops_when_its_caller_does(tmp_path: Path) -> None:
     cfg = _files_recipe(tmp_path)
     before = threading.active_count()
-    batches = D.batches(cfg.specs()[0], tmp_path, max_chars=2_000)
+    batches = prefetch.batches(cfg.specs()[0], tmp_path, max_chars=2_000)
     first = next(batches)
     assert 0 < sum(len(doc.text) for doc in first) - len(first[-1].text) < 2_000
     batches.close()

@@ -26,6 +26,7 @@ from experiments.checksums import require_recorded, verify, write_checksums
 from experiments.config import DataConfig, identity_dict, to_dict
 from experiments.corpus.bpe import train_bpe
 from experiments.corpus.encoders import Mismatch, TokenizersEncoder, document_encoder
+from experiments.corpus.inputs import changed_input
 from experiments.corpus.reader import (
     CORPUS_FORMAT_VERSION,
     EOS,
@@ -135,10 +136,12 @@ def _unchanged_inputs(cfg: DataConfig, corpus: Corpus) -> Corpus:
     Raises:
         CorpusError: naming the file; the runs of this recipe were trained on the old bytes.
     """
-    if cfg.streamed and (changed := streamed.changed_input(cfg, corpus.manifest)):
+    record = corpus.root.parent / f".{corpus.root.name}.verified.json"
+    if cfg.streamed and (changed := changed_input(cfg, corpus.manifest, record)):
         raise CorpusError(
-            f"{changed} changed since corpus {corpus.root.name} was built from it, and the runs of this "
-            f"recipe were trained on the old bytes; restore it, or move {corpus.root} away to rebuild"
+            f"{changed} changed since corpus {corpus.root.name} was built from it; restore it, or move "
+            f"{corpus.root} away to build the new bytes (the runs trained on the old ones are then "
+            "no results: each run records the fingerprint of its corpus)"
         )
     return corpus
 

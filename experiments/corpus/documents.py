@@ -13,15 +13,14 @@ import fnmatch
 import glob
 import hashlib
 import os
-import queue
 import sys
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import experiments.corpus.sources as sources
+from experiments.corpus.limits import JSON_LINES, check_before_reading, first_bad_line
 from experiments.corpus.reader import CorpusError
 from experiments.data_config import FORMAT_SUFFIXES, SourceSpec
 
@@ -45,7 +44,7 @@ def quiet_datasets() -> Any:
 
     if "torch" not in sys.modules:  # a build reads no tensors; importing torch for it costs seconds
         datasets.config.TORCH_AVAILABLE = False
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its failures come back as our one line
     datasets.disable_progress_bars()
     huggingface_hub.utils.logging.set_verbosity_error()  # its retry warnings: the error says it once
     return datasets
@@ -67,7 +66,7 @@ def hub_offline(offline: bool) -> Iterator[None]:
 
 
 def matched_files(spec: SourceSpec) -> list[Path]:
-    """The files a ``files`` source's patterns match, sorted, each once.
+    """The files a ``files`` source's patterns match, sorted, each file once (:class:`SeenFiles`).
 
     Raises:
         CorpusError: a pattern matches no file, or a file's format cannot be told from its name.
@@ -80,10 +79,43 @@ def matched_files(spec: SourceSpec) -> list[Path]:
             raise CorpusError(f"source '{spec.label}': files: '{pattern}' matches no file")
         for hit in hits:  # not resolved: a symlink keeps its own name (and ending), as in a HF cache
             found.setdefault(os.path.abspath(hit), Path(os.path.abspath(hit)))
-    paths = sorted(found.values())
+    seen = SeenFiles()
+    paths = [p for p in sorted(found.values()) if seen.first_time(p)]  # the first name met is kept
     for path in paths:
         file_format(spec, path)  # an unknown ending fails here, before anything is read
     return paths
+
+
+class SeenFiles:
+    """The files met so far, by identity (device and inode) and, among those that share a size, by
+    their bytes: one file under several names (a symlink, a hard link, a second pattern, a tree
+    that links to itself) or a copy of one is met once. A document read twice could land in two
+    splits: validation text trained on."""
+
+    def __init__(self) -> None:
+        self.ids: set[tuple[int, int]] = set()
+        self.by_size: dict[int, list[Path]] = {}
+        self.digests: dict[Path, str] = {}
+        self.skipped: list[Path] = []  # names met again, in order
+
+    def _digest(self, path: Path) -> str:
+        if path not in self.digests:
+            self.digests[path] = sources.file_sha256(path)
+        return self.digests[path]
+
+    def first_time(self, path: Path) -> bool:
+        """Whether ``path`` is a file not met before (it is met now)."""
+        stat = path.stat()
+        if (stat.st_dev, stat.st_ino) in self.ids:
+            self.skipped.append(path)
+            return False
+        self.ids.add((stat.st_dev, stat.st_ino))
+        same_size = self.by_size.setdefault(stat.st_size, [])
+        if same_size and any(self._digest(p) == self._digest(path) for p in same_size):  # hashed only then
+            self.skipped.append(path)
+            return False
+        same_size.append(path)
+        return True
 
 
 def file_format(spec: SourceSpec, path: Path) -> str:
@@ -101,8 +133,13 @@ def file_format(spec: SourceSpec, path: Path) -> str:
     raise CorpusError(f"source '{spec.label}': {path}: cannot tell the format ({endings}); set format:")
 
 
-def documents(spec: SourceSpec, downloads: Path) -> Iterator[Doc]:
-    """The source's documents in a fixed order (files sorted, rows in file order), as read.
+def documents(
+    spec: SourceSpec, downloads: Path, seen: SeenFiles | None = None, max_bytes: int | None = None
+) -> Iterator[Doc]:
+    """The source's documents in a fixed order (files sorted, rows in file order), as read; with
+    ``seen`` (the files its domain's sources read before), a file met there is not read again;
+    with ``max_bytes``, a file whose layout shows a larger document is refused before it is read
+    (``experiments.corpus.limits``).
 
     Raises:
         CorpusError: a file or a row cannot be read (naming the file, the row and the key), a hub
@@ -114,61 +151,15 @@ def documents(spec: SourceSpec, downloads: Path) -> Iterator[Doc]:
         paths = matched_files(spec)
         root = common_root(paths)
         for path in paths:  # ids relative to the files' common folder: the same on every machine
-            yield from _file(spec, path, f"{path.relative_to(root).as_posix()}#")
+            if seen is None or seen.first_time(path):
+                yield from _file(spec, path, f"{path.relative_to(root).as_posix()}#", max_bytes)
     elif spec.data_files is not None and not spec.online:
         root = hub_snapshot(spec)
         for path in hub_files(spec, root):
-            yield from _file(spec, path, f"{path.relative_to(root).as_posix()}#")
+            yield from _file(spec, path, f"{path.relative_to(root).as_posix()}#", max_bytes)
     else:
         with hub_offline(not spec.online):  # an online stream fetches while its rows are read
             yield from _rows(spec, open_hub(spec), f"hub {spec.hub}", "")
-
-
-def batches(spec: SourceSpec, downloads: Path, max_chars: int, ahead: int = 2) -> Iterator[list[Doc]]:
-    """The source's :func:`documents` in lists of about ``max_chars`` characters, read and parsed
-    by a thread up to ``ahead`` lists in front of the caller: the next list is read while the
-    caller encodes this one. Memory: ``ahead + 2`` lists at most.
-
-    Raises:
-        CorpusError: as :func:`documents`, when the list it concerns is reached.
-    """
-    ready: queue.Queue[list[Doc] | BaseException | None] = queue.Queue(maxsize=ahead)
-    stop = threading.Event()
-
-    def put(item: list[Doc] | BaseException | None) -> bool:
-        while not stop.is_set():
-            try:
-                ready.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def read() -> None:
-        try:
-            batch, size = [], 0
-            for doc in documents(spec, downloads):
-                batch.append(doc)
-                size += len(doc.text)
-                if size >= max_chars:
-                    if not put(batch):
-                        return
-                    batch, size = [], 0
-            put(batch) if batch else None
-            put(None)
-        except BaseException as err:  # handed to the caller, who raises it as it was
-            put(err)
-
-    reader = threading.Thread(target=read, name=f"read {spec.label}", daemon=True)
-    reader.start()
-    try:
-        while (item := ready.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:  # the caller stopped early (a cap reached) or failed: let the reader go
-        stop.set()
-        reader.join(timeout=10)  # it stops at its next list; a daemon if a read hangs
 
 
 def preflight(specs: list[SourceSpec]) -> None:
@@ -195,8 +186,10 @@ def _package(spec: SourceSpec, downloads: Path) -> Iterator[Doc]:
         raise CorpusError(f"source '{spec.package}': {type(err).__name__}: {_line(err)}") from err
 
 
-def _file(spec: SourceSpec, path: Path, prefix: str) -> Iterator[Doc]:
+def _file(spec: SourceSpec, path: Path, prefix: str, max_bytes: int | None = None) -> Iterator[Doc]:
     fmt = file_format(spec, path)
+    if max_bytes is not None:
+        check_before_reading(spec.label, path, fmt, max_bytes)
     ds = quiet_datasets()
     kwargs = {"sample_by": "document"} if fmt == "text" else {}
     try:
@@ -204,7 +197,14 @@ def _file(spec: SourceSpec, path: Path, prefix: str) -> Iterator[Doc]:
     except Exception as err:
         raise CorpusError(f"source '{spec.label}': {path}: cannot read as {fmt}: {_line(err)}") from err
     field = "text" if fmt == "text" else spec.text_field
-    yield from _rows(spec, rows, str(path), prefix, field)
+    try:
+        yield from _rows(spec, rows, str(path), prefix, field)
+    except CorpusError as err:
+        if isinstance(err.__cause__, UnicodeDecodeError) or not path.name.endswith(JSON_LINES):
+            raise
+        if (bad := first_bad_line(path)) is None:
+            raise
+        raise CorpusError(f"source '{spec.label}': {path}: line {bad[0] + 1} is not JSON ({bad[1]})") from err
 
 
 def _not_cached(spec: SourceSpec) -> CorpusError:
@@ -291,7 +291,11 @@ def _rows(spec: SourceSpec, rows: Any, where: str, prefix: str, field: str | Non
     try:
         for batch in rows.with_format("arrow").iter(batch_size=_ROWS_AT_ONCE):
             if field not in batch.column_names:
-                keys = ", ".join(map(str, batch.column_names)) or "none"
+                names = list(map(str, batch.column_names))
+                keys = (
+                    ", ".join(names[:12]) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
+                    or "none"
+                )
                 raise CorpusError(
                     f"source '{spec.label}': {where}: row {i + 1}: no key '{field}' (keys: {keys})"
                 )
@@ -312,7 +316,8 @@ def _rows(spec: SourceSpec, rows: Any, where: str, prefix: str, field: str | Non
             f"source '{spec.label}': {where}: not UTF-8 text at or after row {i + 1} ({err.reason})"
         ) from err
     except Exception as err:  # pyarrow and datasets name their own failures; keep the first line
-        raise CorpusError(f"source '{spec.label}': {where}: after row {i}: {_line(err)}") from err
+        at = f"after row {i}" if i >= 0 else "before its first row"
+        raise CorpusError(f"source '{spec.label}': {where}: {at}: {_line(err)}") from err
 
 
 def utf8_size(text: str) -> int:

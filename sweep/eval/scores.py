@@ -36,6 +36,7 @@ from sweep.eval.humaneval_exec import TIMEOUT_S
 from sweep.eval.lm_eval_env import without_env_report
 from sweep.eval.sandbox import OPT_IN, code_eval_allowed, limits_line
 from sweep.eval.suite import BIGBENCH_TASKS, CODE_TASKS, OFFLINE_TASKS, chance, needs, task_dir
+from sweep.fingerprints import expect_local_corpora
 from sweep.grid import Cell, EvalConfig
 from sweep.store import Tracker
 
@@ -241,6 +242,7 @@ def evaluate_missing(
     """
     if not spec.tasks:
         return 0, 0
+    expect_local_corpora(tracker, cells, cache_root)  # a run on other bytes than the corpus's is no result
     runnable = runnable_tasks(spec)
     held = [t for t in spec.tasks if t not in runnable]
     if held and missing_scores(tracker, cells, held, spec):
