@@ -192,7 +192,7 @@ def test_a_truncating_or_padding_tokenizer_gives_the_plain_files_tokens(tmp_path
         corpus = _build(cfg, tmp_path / f"cache-{name}", lines)
         counts.append(corpus.manifest["tokens"])
     assert counts[0] == counts[1] == counts[2] == counts[3] and sum(counts[0]["train"].values()) > 2000
-    assert any("its BPE dropout (0.3" in line for line in lines)
+    assert any("its BPE dropout (0.3) is off for the build" in line for line in lines)
     assert any("its truncation (max_length 16) is off for the build" in line for line in lines)
     assert any(
         "its padding (length 512, pad_token <|endoftext|>) is off for the build" in line for line in lines

@@ -136,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--dir", default=None, help="work folder (default: a temporary one, removed)")
     args = p.parse_args(argv)
+    if args.dir is not None and not Path(args.dir).is_dir():
+        p.error(f"--dir {args.dir}: no such folder")
+    if args.mb < 1 or args.rounds < 1:
+        p.error(f"--mb and --rounds must be at least 1, got {args.mb} and {args.rounds}")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         work = Path(tmp)
         data, tok = work / "web.jsonl", work / "tokenizer.json"

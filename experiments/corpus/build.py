@@ -105,6 +105,8 @@ def build_corpus(
     final = cache_root / f"corpus-{digest}"
     if (final / MANIFEST).is_file():
         return _unchanged_inputs(cfg, open_checked(final))
+    if cache_root.exists() and not cache_root.is_dir():
+        raise CorpusError(f"corpus cache {cache_root} is a file, not a folder (GATED_ATTN_CACHE names it)")
     cache_root.mkdir(parents=True, exist_ok=True)
     with _exclusive(cache_root / f".corpus-{digest}.lock"):
         if (final / MANIFEST).is_file():  # a rival built it while we waited

@@ -188,6 +188,8 @@ def _package(spec: SourceSpec, downloads: Path) -> Iterator[Doc]:
 
 def _file(spec: SourceSpec, path: Path, prefix: str, max_bytes: int | None = None) -> Iterator[Doc]:
     fmt = file_format(spec, path)
+    if path.stat().st_size == 0:
+        return  # no document (datasets would fail on it with a bare StopIteration)
     if max_bytes is not None:
         check_before_reading(spec.label, path, fmt, max_bytes)
     ds = quiet_datasets()

