@@ -78,6 +78,8 @@ class SourceSpec:
             raise ConfigError("package", f"unknown source '{self.package}'; allowed: {allowed}")
         if (self.kind != "package" or self.domain) and not re.fullmatch(r"[a-z0-9_]+", self.domain):
             raise ConfigError("domain", f"must be a name of a-z, 0-9 and _, got {self.domain!r}")
+        if self.domain == "avg":  # val/ppl/<domain> would be the Avg PPL's own key, val/ppl/avg
+            raise ConfigError("domain", "'avg' is the Avg PPL column's name; call the domain otherwise")
         if self.hub is not None and not self.revision:
             raise ConfigError("revision", "a hub source needs a pinned revision (a commit sha or tag)")
         if self.max_tokens is not None and self.max_tokens <= 0:
@@ -189,10 +191,21 @@ class DataConfig:
     more than once), or ``disjoint`` windows in a seeded order, so no training token is read twice
     (the sweep refuses a budget of more windows than the corpus holds). Not part of the corpus."""
 
+    max_document_bytes: int = 16 * 2**20
+    """The largest document a ``files`` or ``hub`` source may hold, in bytes as stored (a JSON line,
+    a text file, a Parquet cell's UTF-8): a larger one stops the build in one line naming it (before
+    the file is read, for uncompressed JSON lines and text), where it would hold many times its size
+    in memory. 16 MiB: a long book is a few MB."""
+
     #: options added after runs were keyed: left out of run keys and corpus hashes at their default
-    KEYED_WHEN_SET: ClassVar[tuple[str, ...]] = ("synthetic", "tokenizer", "train_windows")
+    KEYED_WHEN_SET: ClassVar[tuple[str, ...]] = (
+        "synthetic",
+        "tokenizer",
+        "train_windows",
+        "max_document_bytes",
+    )
     #: options that say how the corpus is read, not what it holds: left out of its recipe hash
-    NOT_IN_CORPUS: ClassVar[tuple[str, ...]] = ("train_windows",)
+    NOT_IN_CORPUS: ClassVar[tuple[str, ...]] = ("train_windows", "max_document_bytes")
 
     def specs(self) -> list[SourceSpec]:
         """Every source as a :class:`SourceSpec` (a plain name becomes ``{package: name}``)."""
@@ -231,6 +244,8 @@ class DataConfig:
                 raise ConfigError(name, f"must be in (0, 0.5), got {getattr(self, name)}")
         if self.max_chars_per_source <= 0:
             raise ConfigError("max_chars_per_source", "must be positive")
+        if self.max_document_bytes <= 0:
+            raise ConfigError("max_document_bytes", "must be positive")
 
 
 def _source(entry: Any, i: int) -> str | SourceSpec:

@@ -34,6 +34,11 @@ LOSS_SPIKES = "stability/loss_spikes"
 #: Run tag saying how its metric steps count: ``updates`` = the optimiser updates the measured
 #: weights had (``experiments.lit.LMModule``). Runs without it logged validations one step lower.
 METRIC_STEPS_TAG = "metric_steps"
+CORPUS_TAG = "corpus"
+"""A cell run's tag: the recipe hash of the corpus it trained on (``experiments.corpus.recipe_hash``)."""
+CORPUS_FINGERPRINT_TAG = "corpus_fingerprint"
+"""A cell run's tag: the fingerprint of the bytes it trained on (``Corpus.fingerprint``); a run whose
+fingerprint is not its corpus's today is no result (``sweep.store.Tracker.current_state``)."""
 METRIC_STEPS_UPDATES = "updates"
 #: Run tag: the precision Lightning trained in (``train.precision: auto`` resolved on the machine,
 #: ``32-true`` on a CPU, ``bf16-mixed`` on a GPU); a resume in another is refused (sweep.run.placement).

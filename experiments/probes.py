@@ -107,9 +107,9 @@ def probe_batch(corpus: Corpus, seq_len: int, per_domain: int) -> tuple[torch.Te
     domain's test split (of a synthetic task: the first ``seq_len`` tokens of its first
     ``per_domain`` sequences), domains in sorted order.
 
-    The record (split, windows per domain, sha256 of the tokens) is written beside the corpus
-    manifest as ``probe-<seq_len>x<per_domain>.json`` and returned, so every run can show
-    which tokens it was probed on.
+    The record (split, windows per domain, sha256 of the tokens) is returned, and each run stores
+    it (MLflow ``probe_batch.json``), so every run can show which tokens it was probed on. Nothing
+    is written into the corpus: it is shared read-only data.
 
     Returns:
         ((N, seq_len) int64 tokens, record).
@@ -130,11 +130,6 @@ def probe_batch(corpus: Corpus, seq_len: int, per_domain: int) -> tuple[torch.Te
         record["domains"][domain] = {"windows": n, "first_token": 0}
     batch = np.concatenate(windows)
     record["sha256"] = hashlib.sha256(batch.tobytes()).hexdigest()
-    path = corpus.root / f"probe-{seq_len}x{per_domain}.json"
-    if not path.exists():
-        tmp = path.with_suffix(f".{record['sha256'][:8]}.tmp")
-        tmp.write_text(json.dumps(record, indent=1) + "\n")
-        tmp.replace(path)
     return torch.from_numpy(batch), record
 
 

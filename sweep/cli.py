@@ -19,6 +19,10 @@ from pathlib import Path
 
 from sweep.cli_parser import parser
 
+# Scoring runs torch on every core: spinning OpenMP threads made a first scoring pass on loaded cores
+# 37-88 s instead of 6.2-6.8 s (docs/corpus.md, "Scoring"). Read when torch loads: set before it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 class UsageError(RuntimeError):
     """Bad input that is not in a grid file (a results folder, say)."""
@@ -147,7 +151,7 @@ def _main(argv: list[str] | None) -> int:
             print(f"wrote {', '.join(map(str, paths.values()))}")
             return 0
         if args.command == "budget":
-            return _budget(grid, args.scale, results, table_seeds)
+            return _budget(grid, args.scale, results, table_seeds, rows)
         cache = _cache_root()
         if args.command == "data":
             from sweep.run.corpora import build_corpora
@@ -225,8 +229,9 @@ def _main(argv: list[str] | None) -> int:
         return 2
 
 
-def _budget(grid, scale: str, results: Path, seeds: list[int]) -> int:
-    """``make budget``: ``results/<stem>_budget.{md,csv}`` (:mod:`sweep.report.budget`).
+def _budget(grid, scale: str, results: Path, seeds: list[int], rows: list[str] | None = None) -> int:
+    """``make budget``: ``results/<stem>_budget.{md,csv}`` (:mod:`sweep.report.budget`) of ``rows``
+    (``ROWS``; default all) and their references.
 
     Raises:
         UsageError: no store, or no finished run in it, to report from (nothing is written).
@@ -238,7 +243,7 @@ def _budget(grid, scale: str, results: Path, seeds: list[int]) -> int:
     if lost is not None:
         raise UsageError(f"tracking store {lost[0]} is {lost[1]}: nothing to report (make sweep first)")
     try:
-        paths = write_budget(grid, scale, results, _command_line(), seeds)
+        paths = write_budget(grid, scale, results, _command_line(), seeds, rows)
     except ValueError as err:
         raise UsageError(str(err)) from None
     print(f"wrote {', '.join(map(str, paths.values()))}")

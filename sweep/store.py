@@ -21,6 +21,7 @@ import yaml
 
 from experiments.config import to_dict
 from experiments.names import Kind, Status
+from sweep.fingerprints import on_current_bytes
 from sweep.grid import Cell
 from sweep.sqlite_lock import creation_lock, sqlite_file
 from sweep.store_urls import TrackingError, check_reachable
@@ -185,6 +186,7 @@ class Tracker:
         from mlflow.entities import LifecycleStage
 
         self.uri, self.experiment, self.out = uri, experiment, out
+        self.corpus_fingerprints: dict[str, str] = {}  # recipe hash -> its bytes here (sweep.fingerprints)
         check_reachable(uri)
         try:
             with creation_lock(uri):  # MLflow creates or migrates the schema on first use
@@ -309,8 +311,9 @@ class Tracker:
 
     def cell_state(self, run_key: str) -> tuple[Any | None, Any | None]:
         """``(done_run, resumable_run)`` of ``run_key`` from one read of the store, so that a run
-        another process finishes meanwhile is seen as one or the other, never as neither."""
-        runs = self.runs_for(run_key)
+        another process finishes meanwhile is seen as one or the other, never as neither; a run on
+        other bytes than its corpus's here is neither (``sweep.fingerprints``)."""
+        runs = [r for r in self.runs_for(run_key) if on_current_bytes(self.corpus_fingerprints, r)]
         done = next((r for r in runs if r.data.tags.get("status") in Status.DONE), None)
         return done, next((r for r in runs if r.data.tags.get("status") in Status.RESUMABLE), None)
 

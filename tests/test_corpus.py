@@ -209,15 +209,15 @@ def test_failing_source_names_it_and_leaves_nothing(
 def test_a_full_disk_names_the_corpus_and_the_cause_and_leaves_nothing(
     fakes: dict[str, Fake], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import experiments.corpus.build as build
+    import experiments.corpus.token_files as token_files
 
-    encode = build._encode_docs
+    encode = token_files._encode_docs
 
-    def onto_a_full_disk(tokenizer, docs, split, eos_id, dtype, fh, counts):  # type: ignore[no-untyped-def]
+    def onto_a_full_disk(check, docs, split, eos_id, dtype, fh, counts):  # type: ignore[no-untyped-def]
         with open("/dev/full", "wb", buffering=0) as full:  # every write: ENOSPC
-            return encode(tokenizer, docs, split, eos_id, dtype, full, counts)
+            return encode(check, docs, split, eos_id, dtype, full, counts)
 
-    monkeypatch.setattr(build, "_encode_docs", onto_a_full_disk)
+    monkeypatch.setattr(token_files, "_encode_docs", onto_a_full_disk)
     with pytest.raises(OSError) as info:
         _build(CFG, tmp_path)
     final = tmp_path / f"corpus-{C.recipe_hash(CFG)}"

@@ -161,7 +161,9 @@ class FakeHub:
         self.calls.append((name, kw.get("split"), kw.get("revision"), kw.get("streaming")))
         if not self.cached:
             raise ConnectionError("Couldn't reach 'org/web-sample' on the Hub (LocalEntryNotFoundError)")
-        return iter(self.rows)
+        # What the offline config/split path really returns: a memory-mapped Dataset, or a stream.
+        rows = datasets.Dataset.from_list(self.rows)
+        return rows.to_iterable_dataset() if kw.get("streaming") else rows
 
 
 HUB = {"hub": "org/web-sample", "config": "sample-1", "revision": "0123abcd", "domain": "web"}

@@ -97,6 +97,7 @@ LAYOUT: tuple = (
                 "where the stores are, whether they answer; passwords hidden",
             ),
             ("sqlite_lock.py", "one process at a time creates a database's schema"),
+            ("fingerprints.py", "which runs trained on the corpus bytes found here"),
             ("signals.py", "every signal handled, who handles it, and the stop it causes"),
             (
                 "run/",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import json
+import hashlib
 import math
 
 import numpy as np
@@ -164,13 +164,14 @@ def test_probe_metric_keys_are_bounded() -> None:
     assert len(result.metrics()) < 40
 
 
-def test_probe_batch_is_fixed_and_recorded_beside_the_manifest() -> None:
+def test_probe_batch_is_fixed_recorded_and_writes_nothing_into_the_corpus() -> None:
     corpus = build_corpus(DataConfig(vocab_size=512, max_chars_per_source=200000), ROOT / ".cache")
+    before = sorted(p.name for p in corpus.root.rglob("*"))
     a, record = probe_batch(corpus, seq_len=32, per_domain=2)
-    b, _ = probe_batch(corpus, seq_len=32, per_domain=2)
-    assert a.shape == (2 * len(corpus.domains), 32) and torch.equal(a, b)
+    b, again = probe_batch(corpus, seq_len=32, per_domain=2)
+    assert a.shape == (2 * len(corpus.domains), 32) and torch.equal(a, b) and record == again
     first = corpus.domains[0]
     assert a[0].tolist() == corpus.tokens("test", first)[:32].tolist()
-    saved = json.loads((corpus.root / "probe-32x2.json").read_text())
-    assert saved == record and saved["domains"][first] == {"windows": 2, "first_token": 0}
-    assert len(saved["sha256"]) == 64
+    assert record["domains"][first] == {"windows": 2, "first_token": 0}
+    assert record["sha256"] == hashlib.sha256(a.numpy().tobytes()).hexdigest()
+    assert sorted(p.name for p in corpus.root.rglob("*")) == before  # nothing written into it

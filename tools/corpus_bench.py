@@ -1,12 +1,18 @@
-"""``make corpus-bench``: what a streaming corpus build costs, and that it survives ``kill -9``.
+"""``make corpus-bench``: how fast a streaming corpus build encodes against a bare tokenizer loop on
+the same file, its peak memory, and that it survives ``kill -9``.
 
 Writes a JSON-lines file of ``--mb`` megabytes (documents of 0.5-8 kB of made-up words,
-Zipf-distributed), then
-1. builds it in a child process, printing the build's own progress lines (MB/s, time left), its
-   seconds and its peak resident memory (``ru_maxrss`` of the child);
-2. builds it again in another cache, SIGKILLs that build after ``--kill-after`` seconds, runs the
-   same build again and checks the token files are byte-identical to the first build's.
-Figures, not assertions: a slower machine prints larger seconds. Run it alone (2 cores).
+Zipf-distributed) and trains a byte-level BPE on its first 20 MB, then, each in a child process
+(its seconds and peak resident memory, ``ru_maxrss``):
+1. ``--rounds`` times, interleaved: the bare loop (read the lines, ``json.loads``, tiktoken's
+   ``encode_ordinary_batch`` on every core, write the ids), then the build of the file with that
+   BPE as its ``tokenizer.json``; prints each's MB/s and their ratio;
+2. the same build encoding with HF ``tokenizers`` (the fallback), and whether its token files are
+   byte-identical to tiktoken's;
+3. the build that also trains its BPE (``data.tokenizer`` unset), end to end;
+4. a build killed with SIGKILL after ``--kill-after`` seconds, run again: its token files against
+   the first build's.
+Figures, not assertions: a slower or busier machine prints larger seconds. Run it alone (2 cores).
 """
 
 from __future__ import annotations
@@ -28,10 +34,30 @@ _BUILD = """
 import sys
 from experiments.config import DataConfig, from_dict
 from experiments.corpus import build_corpus
-cfg = from_dict(DataConfig, {"vocab_size": 4096, "max_chars_per_source": 10**12,
-                             "sources": [{"files": sys.argv[1], "domain": "web"}]})
-corpus = build_corpus(cfg, sys.argv[2])
+recipe = {"vocab_size": 4096, "max_chars_per_source": 10**12,
+          "sources": [{"files": sys.argv[1], "domain": "web"}]}
+if sys.argv[3] != "-":
+    recipe["tokenizer"] = {"file": sys.argv[3], "eos": "<|endoftext|>"}
+corpus = build_corpus(from_dict(DataConfig, recipe), sys.argv[2])
 print("TOKENS", sum(sum(d.values()) for d in corpus.manifest["tokens"].values()), flush=True)
+"""
+
+# The bare loop: what the tokenizer alone does with the file, nothing else (about 20 lines).
+_BARE = """
+import json, os, sys
+import numpy as np
+from tokenizers import Tokenizer
+from experiments.corpus.fast_bpe import tiktoken_encoding
+encoding, ids = tiktoken_encoding(json.loads(Tokenizer.from_file(sys.argv[2]).to_str()))
+threads = len(os.sched_getaffinity(0))
+with open(sys.argv[1], encoding="utf-8") as src, open(sys.argv[3], "wb") as out:
+    while True:
+        lines = src.readlines(2_000_000)
+        if not lines:
+            break
+        texts = [json.loads(line)["text"] for line in lines]
+        for doc in encoding.encode_ordinary_batch(texts, num_threads=threads):
+            out.write(ids[np.asarray(doc, dtype=np.int64)].astype(np.uint16).tobytes())
 """
 
 
@@ -52,11 +78,12 @@ def write_jsonl(path: Path, megabytes: int, seed: int = 0) -> int:
     return docs
 
 
-def build(data: Path, cache: Path, kill_after: float | None = None) -> tuple[float, int, bool]:
-    """Run one build in a child; return (seconds, the child's peak RSS in MB, whether it was killed)."""
-    cmd = [sys.executable, "-c", _BUILD, str(data), str(cache)]
+def child(script: str, args: list[str], kill_after: float | None = None, env: dict | None = None,
+          quiet: bool = False) -> tuple[float, int, bool]:  # fmt: skip
+    """Run ``script`` in a child; return (seconds, its peak RSS in MB, whether it was killed)."""
+    cmd = [sys.executable, "-c", script, *args]
     t0 = time.perf_counter()
-    child = subprocess.Popen(cmd)
+    child = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL if quiet else None)
     killed = False
     while True:  # reaped by wait4 alone, which also gives the child's peak memory
         pid, status, usage = os.wait4(child.pid, os.WNOHANG)
@@ -65,11 +92,18 @@ def build(data: Path, cache: Path, kill_after: float | None = None) -> tuple[flo
         if kill_after is not None and time.perf_counter() - t0 > kill_after and not killed:
             os.kill(child.pid, signal.SIGKILL)
             killed = True
-        time.sleep(0.1)
+        time.sleep(0.05)
     child.returncode = os.waitstatus_to_exitcode(status)
     if not killed and child.returncode != 0:
-        raise SystemExit(f"error: the build failed with exit status {child.returncode}")
+        raise SystemExit(f"error: a child failed with exit status {child.returncode}")
     return time.perf_counter() - t0, usage.ru_maxrss // 1024, killed
+
+
+def build(data: Path, cache: Path, tokenizer: Path | None, kill_after: float | None = None,
+          encoder: str | None = None) -> tuple[float, int, bool]:  # fmt: skip
+    """One build in a child (``encoder="tokenizers"`` forces the fallback): (seconds, peak RSS MB, killed)."""
+    env = {**os.environ, **({"GATED_ATTN_ENCODER": encoder} if encoder else {})}
+    return child(_BUILD, [str(data), str(cache), str(tokenizer or "-")], kill_after, env)
 
 
 def token_files(cache: Path) -> dict[str, bytes]:
@@ -77,31 +111,71 @@ def token_files(cache: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*.bin"))}
 
 
+def train_tokenizer(data: Path, target: Path, chars: int = 20_000_000) -> float:
+    """Train the bench's BPE (4,096 ids, as the build would) on the file's first ``chars``; seconds."""
+    from experiments.corpus.bpe import train_bpe
+
+    t0 = time.perf_counter()
+    texts, total = [], 0
+    with open(data, encoding="utf-8") as fh:
+        for line in fh:
+            texts.append(json.loads(line)["text"])
+            total += len(texts[-1])
+            if total >= chars:
+                break
+    train_bpe(texts, 4096).save(str(target))
+    return time.perf_counter() - t0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mb", type=int, default=1024, help="size of the JSON-lines file, MB")
-    p.add_argument("--kill-after", type=float, default=20.0, help="seconds before the SIGKILL")
+    p.add_argument("--mb", type=int, default=200, help="size of the JSON-lines file, MB")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of bare loop and build")
+    p.add_argument(
+        "--kill-after", type=float, default=None, help="seconds before the SIGKILL (default: half a build)"
+    )
     p.add_argument("--dir", default=None, help="work folder (default: a temporary one, removed)")
     args = p.parse_args(argv)
+    if args.dir is not None and not Path(args.dir).is_dir():
+        p.error(f"--dir {args.dir}: no such folder")
+    if args.mb < 1 or args.rounds < 1:
+        p.error(f"--mb and --rounds must be at least 1, got {args.mb} and {args.rounds}")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         work = Path(tmp)
-        data = work / "web.jsonl"
+        data, tok = work / "web.jsonl", work / "tokenizer.json"
         t0 = time.perf_counter()
         docs = write_jsonl(data, args.mb)
-        size = data.stat().st_size / 1e6
-        print(f"wrote {data.name}: {size:.0f} MB, {docs:,} documents in {time.perf_counter() - t0:.0f} s")
-        secs, rss, _ = build(data, work / "a")
-        print(f"build: {secs:.0f} s, {size / secs:.1f} MB/s end to end, peak RSS {rss} MB")
-        _, _, killed = build(data, work / "b", kill_after=args.kill_after)
+        mb = data.stat().st_size / 1e6
+        print(f"wrote {data.name}: {mb:.0f} MB, {docs:,} documents in {time.perf_counter() - t0:.0f} s")
+        print(f"trained the bench's BPE (4,096 ids) on its first 20 MB in {train_tokenizer(data, tok):.1f} s")
+        ratios, fastest = [], float("inf")
+        for r in range(1, args.rounds + 1):
+            bare, bare_rss, _ = child(_BARE, [str(data), str(tok), str(work / "bare.bin")])
+            secs, rss, _ = build(data, work / f"round{r}", tok)
+            ratios.append(bare / secs)
+            fastest = min(fastest, secs)
+            print(
+                f"round {r}: bare tiktoken loop {mb / bare:.1f} MB/s (peak RSS {bare_rss} MB); "
+                f"build {mb / secs:.1f} MB/s (peak RSS {rss} MB); build / bare {bare / secs:.2f}"
+            )
+        print(f"build / bare tiktoken loop, the rounds' mean: {sum(ratios) / len(ratios):.2f}")
+        hf, hf_rss, _ = build(data, work / "hf", tok, encoder="tokenizers")
+        same = token_files(work / "round1") == token_files(work / "hf")
         print(
-            f"second build {'killed (SIGKILL)' if killed else 'finished before'} at {args.kill_after:.0f} s"
+            f"the build encoding with HF tokenizers: {mb / hf:.1f} MB/s (peak RSS {hf_rss} MB); "
+            f"tiktoken's build is {hf / fastest:.1f}x faster; token files identical: {same}"
         )
-        secs2, rss2, _ = build(data, work / "b")
-        same = token_files(work / "a") == token_files(work / "b")
-        print(f"rerun after the kill: {secs2:.0f} s, peak RSS {rss2} MB; token files identical: {same}")
+        full, full_rss, _ = build(data, work / "trained", None)
+        print(f"the build training its BPE: {full:.0f} s, {mb / full:.1f} MB/s, peak RSS {full_rss} MB")
+        kill_after = args.kill_after if args.kill_after is not None else fastest / 2
+        _, _, killed = build(data, work / "b", tok, kill_after=kill_after)
+        print(f"a build {'killed (SIGKILL)' if killed else 'finished before'} at {kill_after:.1f} s")
+        again, again_rss, _ = build(data, work / "b", tok)
+        kept = token_files(work / "round1") == token_files(work / "b")
+        print(f"rerun after the kill: {again:.0f} s, peak RSS {again_rss} MB; token files identical: {kept}")
         self_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
         print(f"(this driver's own peak RSS: {self_rss} MB)")
-        return 0 if same else 1
+        return 0 if same and kept else 1
 
 
 if __name__ == "__main__":

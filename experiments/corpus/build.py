@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tokenizers import Tokenizer
 
 import experiments.corpus.backcopy as backcopy
 import experiments.corpus.sources as sources
@@ -26,6 +25,8 @@ import experiments.corpus.streamed as streamed
 from experiments.checksums import require_recorded, verify, write_checksums
 from experiments.config import DataConfig, identity_dict, to_dict
 from experiments.corpus.bpe import train_bpe
+from experiments.corpus.encoders import Mismatch, TokenizersEncoder, document_encoder
+from experiments.corpus.inputs import changed_input
 from experiments.corpus.reader import (
     CORPUS_FORMAT_VERSION,
     EOS,
@@ -39,8 +40,7 @@ from experiments.corpus.reader import (
     manifest_header,
 )
 from experiments.corpus.sources import Source
-
-_ENCODE_BATCH_CHARS = 2_000_000  # bounds the memory held by Encoding objects during encoding
+from experiments.corpus.token_files import encode_splits
 
 
 def recipe_hash(cfg: DataConfig) -> str:
@@ -105,6 +105,8 @@ def build_corpus(
     final = cache_root / f"corpus-{digest}"
     if (final / MANIFEST).is_file():
         return _unchanged_inputs(cfg, open_checked(final))
+    if cache_root.exists() and not cache_root.is_dir():
+        raise CorpusError(f"corpus cache {cache_root} is a file, not a folder (GATED_ATTN_CACHE names it)")
     cache_root.mkdir(parents=True, exist_ok=True)
     with _exclusive(cache_root / f".corpus-{digest}.lock"):
         if (final / MANIFEST).is_file():  # a rival built it while we waited
@@ -136,10 +138,12 @@ def _unchanged_inputs(cfg: DataConfig, corpus: Corpus) -> Corpus:
     Raises:
         CorpusError: naming the file; the runs of this recipe were trained on the old bytes.
     """
-    if cfg.streamed and (changed := streamed.changed_input(cfg, corpus.manifest)):
+    record = corpus.root.parent / f".{corpus.root.name}.verified.json"
+    if cfg.streamed and (changed := changed_input(cfg, corpus.manifest, record)):
         raise CorpusError(
-            f"{changed} changed since corpus {corpus.root.name} was built from it, and the runs of this "
-            f"recipe were trained on the old bytes; restore it, or move {corpus.root} away to rebuild"
+            f"{changed} changed since corpus {corpus.root.name} was built from it; restore it, or move "
+            f"{corpus.root} away to build the new bytes (the runs trained on the old ones are then "
+            "no results: each run records the fingerprint of its corpus)"
         )
     return corpus
 
@@ -205,21 +209,16 @@ def _build(cfg: DataConfig, digest: str, out: Path, downloads: Path, log: Callab
 
     t0 = time.perf_counter()
     dtype = np.dtype(np.uint16 if vocab_size <= 65535 else np.uint32)
-    counts: dict[tuple[str, str], int] = {}  # (source, split) -> tokens incl. eos
-    totals: dict[str, dict[str, int]] = {s: {} for s in SPLITS}  # split -> domain -> tokens
     files: dict[str, Any] = {"train": "train.bin", "val": {}, "test": {}}
-    with open(out / "train.bin", "wb") as fh:
-        for d in domains:
-            totals["train"][d] = _encode_docs(
-                tokenizer, splits[d]["train"], "train", eos_id, dtype, fh, counts
-            )
-    for split in ("val", "test"):
-        (out / split).mkdir()
-        for d in domains:
-            files[split][d] = f"{split}/{d}.bin"
-            with open(out / files[split][d], "wb") as fh:
-                totals[split][d] = _encode_docs(tokenizer, splits[d][split], split, eos_id, dtype, fh, counts)
-    log(f"corpus {digest}: encoded {sum(totals['train'].values()):,} train tokens {_secs(t0)}")
+    encoder = document_encoder(tokenizer, add_special_tokens=False, log=log)
+    try:
+        counts, totals = encode_splits(encoder, tokenizer, domains, splits, eos_id, dtype, out, files)
+    except Mismatch as err:
+        log(f"corpus {digest}: {err}; encoding with HF tokenizers instead")
+        encoder = TokenizersEncoder(tokenizer, add_special_tokens=False)
+        counts, totals = encode_splits(encoder, tokenizer, domains, splits, eos_id, dtype, out, files)
+    train_tokens = sum(totals["train"].values())
+    log(f"corpus {digest}: encoded {train_tokens:,} train tokens ({encoder.engine}) {_secs(t0)}")
 
     spans, start = {}, 0
     for d in domains:
@@ -308,43 +307,6 @@ def _split_domain(domain: str, loaded: list[_Loaded], cfg: DataConfig) -> dict[s
     # With fractions < 0.5 and n >= 3 this clamp keeps every split non-empty.
     n_test = min(max(1, round(n * cfg.test_fraction)), n - n_val - 1)
     return {"val": docs[:n_val], "test": docs[n_val : n_val + n_test], "train": docs[n_val + n_test :]}
-
-
-def _encode_docs(
-    tokenizer: Tokenizer,
-    docs: list[_Doc],
-    split: str,
-    eos_id: int,
-    dtype: np.dtype,
-    fh: Any,
-    counts: dict[tuple[str, str], int],
-) -> int:
-    """Append each document's ids and an eos to ``fh``, count them per (source, split); return the total."""
-    total = 0
-    eos = np.array([eos_id], dtype=dtype)
-    for batch in _batches(docs, _ENCODE_BATCH_CHARS):
-        # Whole documents, not lines: the pre-tokenizer's whitespace runs cross line ends.
-        encodings = tokenizer.encode_batch_fast([doc.text for doc in batch], add_special_tokens=False)
-        for doc, enc in zip(batch, encodings):
-            ids = np.asarray(enc.ids, dtype=dtype)
-            fh.write(ids.tobytes())  # not ndarray.tofile: its full-disk error has no errno, no cause
-            fh.write(eos.tobytes())
-            counts[(doc.source, split)] = counts.get((doc.source, split), 0) + len(ids) + 1
-            total += len(ids) + 1
-    return total
-
-
-def _batches(docs: list[_Doc], max_chars: int) -> Iterator[list[_Doc]]:
-    batch: list[_Doc] = []
-    size = 0
-    for doc in docs:
-        if batch and size + len(doc.text) > max_chars:
-            yield batch
-            batch, size = [], 0
-        batch.append(doc)
-        size += len(doc.text)
-    if batch:
-        yield batch
 
 
 def _source_entry(

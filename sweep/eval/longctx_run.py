@@ -20,6 +20,7 @@ from experiments.longctx import evaluate_long_context
 from experiments.model import GatedLM, YarnScaling
 from experiments.names import Status
 from sweep.evalspec import LongContextSpec
+from sweep.fingerprints import expect_local_corpora
 from sweep.grid import Cell, Grid
 from sweep.store import Tracker
 
@@ -143,6 +144,7 @@ def score_missing_long_context(
         if missing := missing_packages():  # the other scores go on; RULER's need the extra
             out(f"warning: longctx.ruler_tasks not scored: they need {', '.join(missing)} ({INSTALL})")
             spec = dataclasses.replace(spec, ruler_tasks=())
+    expect_local_corpora(tracker, cells, cache_root)  # a run on other bytes than the corpus's is no result
     todo: dict[str, tuple[Cell, Any]] = {}
     for cell in cells if spec is not None else ():
         run = tracker.current_result(cell)

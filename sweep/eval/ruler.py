@@ -37,6 +37,7 @@ from tokenizers import Tokenizer
 
 from experiments.model import GatedLM
 from experiments.names import longctx_key
+from sweep.eval.lm_eval_env import without_env_report
 from sweep.evalspec import RULER_OFFLINE
 
 #: Our task name -> lm-eval's.
@@ -125,18 +126,19 @@ def ruler_scores(
                     include_defaults=False,
                     metadata={"tokenizer": hf_dir, "max_seq_lengths": [asked]},
                 )
-                out = simple_evaluate(
-                    model=lm,
-                    tasks=[name],
-                    limit=limit,
-                    task_manager=manager,
-                    log_samples=False,
-                    bootstrap_iters=0,
-                    random_seed=0,
-                    numpy_random_seed=0,
-                    torch_random_seed=0,
-                    fewshot_random_seed=0,
-                )
+                with without_env_report():
+                    out = simple_evaluate(
+                        model=lm,
+                        tasks=[name],
+                        limit=limit,
+                        task_manager=manager,
+                        log_samples=False,
+                        bootstrap_iters=0,
+                        random_seed=0,
+                        numpy_random_seed=0,
+                        torch_random_seed=0,
+                        fewshot_random_seed=0,
+                    )
                 score = out["results"][name].get(f"{asked},none")
                 if not isinstance(score, (int, float)) or not (math.isfinite(score) and 0 <= score <= 1):
                     raise RuntimeError(f"RULER {task} at {length}: no score in [0, 1] (got {score!r})")

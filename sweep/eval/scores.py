@@ -33,8 +33,10 @@ from experiments.names import (
     bench_score_key,
 )
 from sweep.eval.humaneval_exec import TIMEOUT_S
+from sweep.eval.lm_eval_env import without_env_report
 from sweep.eval.sandbox import OPT_IN, code_eval_allowed, limits_line
 from sweep.eval.suite import BIGBENCH_TASKS, CODE_TASKS, OFFLINE_TASKS, chance, needs, task_dir
+from sweep.fingerprints import expect_local_corpora
 from sweep.grid import Cell, EvalConfig
 from sweep.store import Tracker
 
@@ -84,20 +86,21 @@ def evaluate_checkpoint(
     for task in tasks:  # one lm-eval call per shot count: each call costs about 0.4 s of set-up
         by_shots.setdefault(spec.fewshot(task), []).append(task)
     for shots, group in by_shots.items():
-        out = simple_evaluate(
-            model=lm,
-            tasks=group,
-            num_fewshot=shots,
-            limit=spec.limit,
-            task_manager=manager,
-            log_samples=samples is not None,
-            bootstrap_iters=1000,
-            random_seed=0,
-            numpy_random_seed=0,
-            torch_random_seed=0,
-            fewshot_random_seed=0,
-            confirm_run_unsafe_code=code_eval_allowed(),  # HF_ALLOW_CODE_EVAL=1: sweep.eval.sandbox
-        )
+        with without_env_report():  # 2.9 s a call otherwise (sweep.eval.lm_eval_env)
+            out = simple_evaluate(
+                model=lm,
+                tasks=group,
+                num_fewshot=shots,
+                limit=spec.limit,
+                task_manager=manager,
+                log_samples=samples is not None,
+                bootstrap_iters=1000,
+                random_seed=0,
+                numpy_random_seed=0,
+                torch_random_seed=0,
+                fewshot_random_seed=0,
+                confirm_run_unsafe_code=code_eval_allowed(),  # HF_ALLOW_CODE_EVAL=1: sweep.eval.sandbox
+            )
         for task in group:
             metrics.update(parse_results(task, out["results"][task]))
             if samples is not None:
@@ -239,6 +242,7 @@ def evaluate_missing(
     """
     if not spec.tasks:
         return 0, 0
+    expect_local_corpora(tracker, cells, cache_root)  # a run on other bytes than the corpus's is no result
     runnable = runnable_tasks(spec)
     held = [t for t in spec.tasks if t not in runnable]
     if held and missing_scores(tracker, cells, held, spec):

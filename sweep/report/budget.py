@@ -223,14 +223,25 @@ def budget_markdown(
 
 
 def write_budget(
-    grid: Grid, scale: str, results_dir: Path, command: str, seeds: list[int] | None = None
+    grid: Grid,
+    scale: str,
+    results_dir: Path,
+    command: str,
+    seeds: list[int] | None = None,
+    rows: list[str] | None = None,
 ) -> dict[str, Path]:
-    """Write ``<stem>_budget.{md,csv}`` and its manifest from the finished runs' curves in the store.
+    """Write ``<stem>_budget.{md,csv}`` and its manifest from the finished runs' curves in the store;
+    ``rows``: those rows only, with the reference each is measured against.
 
     Raises:
-        ValueError: no finished run of the grid at ``scale`` (with those seeds) is in the store.
+        ValueError: no finished run of the grid at ``scale`` (with those seeds and rows) is in the
+            store, or the rows train for different numbers of steps (:func:`budget_table`).
     """
     runs, _ = one_arithmetic(finished_runs(grid, scale, results_dir, seeds))
+    if rows is not None:
+        by_id = {row.id: row for row in grid.rows}
+        wanted = set(rows) | {grid.reference(by_id[r]).id for r in rows if r in by_id}
+        runs = runs[runs["row"].isin(wanted)]
     tracker = Tracker(tracking_uri(results_dir), experiment_name(grid.name, scale))
     curves = metric_curves(runs, tracker.client) if len(runs) else pd.DataFrame()
     if curves.empty:

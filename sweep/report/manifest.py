@@ -23,7 +23,8 @@ UNRECORDED = "unrecorded"  # a run from before the tag
 
 
 def provenance(runs: pd.DataFrame | None) -> dict:
-    """The runs' count, training commits (commit -> runs), numbers versions and arithmetics."""
+    """The runs' count, training commits (commit -> runs), numbers versions and arithmetics, and
+    the fingerprints of the corpora they trained on (fingerprint -> runs) where runs recorded one."""
     if runs is None:
         return {"numbers": [str(NUMBERS_VERSION)]}
     if runs.empty:
@@ -36,24 +37,30 @@ def provenance(runs: pd.DataFrame | None) -> dict:
         )
         return {str(k): int(v) for k, v in values.value_counts().sort_index().items()}
 
-    return {
+    record = {
         "runs": len(unique),
         "trained_at_commits": counts("git_commit"),
         "numbers": sorted(counts("numbers")),
         "arithmetic": sorted(counts("arithmetic")),
     }
+    if "corpus_fingerprint" in unique and unique["corpus_fingerprint"].notna().any():
+        record["corpus_fingerprints"] = counts("corpus_fingerprint")  # fingerprint -> runs
+    return record
 
 
 def provenance_line(prov: dict) -> str:
-    """One sentence for a table's header: the runs, the commit(s) and the arithmetic."""
+    """One sentence for a table's header: the runs, the commit(s), the arithmetic and the corpus
+    fingerprint(s)."""
     if not prov.get("runs"):
         return ""
     commits = ", ".join(
         f"{sha[:10]}{'' if n == prov['runs'] else f' ({n})'}" for sha, n in prov["trained_at_commits"].items()
     )
+    corpora = ", ".join(prov.get("corpus_fingerprints", {}))
     return (
         f"Runs: {prov['runs']}, trained at commit {commits}; numbers version "
-        f"{', '.join(prov['numbers'])}; {'; '.join(prov['arithmetic'])}. "
+        f"{', '.join(prov['numbers'])}; {'; '.join(prov['arithmetic'])}"
+        f"{f'; corpus {corpora}' if corpora else ''}. "
     )
 
 

@@ -11,6 +11,7 @@ import pandas as pd
 from experiments import names as N
 from experiments.config import GateConfig, to_dict
 from experiments.names import Status, current_key
+from sweep.fingerprints import expect_local_corpora, on_current_bytes
 from sweep.grid import Grid, Row
 from sweep.store import Tracker, experiment_name, flatten, started_from
 from sweep.store_urls import tracking_uri
@@ -21,15 +22,18 @@ def finished_runs(grid: Grid, scale: str, results_dir: Path, seeds: list[int] | 
     (``finished`` or ``diverged``) and every metric of the run.
 
     A run counts only when its ``run_key`` is the one the grid gives a row and seed today, so
-    runs of an edited grid (or of rows since removed) never mix into the table; of several runs
-    of one key the newest wins. The run may have been trained for another grid (the same cell):
+    runs of an edited grid (or of rows since removed) never mix into the table, and, where its
+    corpus is built here, when it trained on that corpus's bytes (``sweep.fingerprints``); of
+    several runs of one key the newest wins. The run may have been trained for another grid (the same cell):
     its ``row`` and ``label`` here are this grid's. ``seeds`` restricts the seeds (default: every
     seed found).
     """
     tracker = Tracker(
         tracking_uri(results_dir), experiment_name(grid.name, scale), results_dir / "mlartifacts"
     )
-    return current_runs(grid, scale, tracker.cell_runs(Status.DONE), seeds)
+    expect_local_corpora(tracker, grid.cells(scale))
+    runs = [r for r in tracker.cell_runs(Status.DONE) if on_current_bytes(tracker.corpus_fingerprints, r)]
+    return current_runs(grid, scale, runs, seeds)
 
 
 def current_runs(grid: Grid, scale: str, runs: list, seeds: list[int] | None = None) -> pd.DataFrame:
@@ -92,7 +96,10 @@ def _key(grid: Grid, scale: str, row: Row, seed: int) -> str:
     return grid.cells(scale, seeds=[seed], rows=[row.id])[-1].run_key  # a later stage's key has its parent's
 
 
-FRAME_COLUMNS = ["row", "label", "seed", "run_id", "status", "gate", "arithmetic", "git_commit", "numbers"]
+FRAME_COLUMNS = [
+    "row", "label", "seed", "run_id", "status", "gate", "arithmetic", "git_commit", "numbers",
+    "corpus_fingerprint",
+]  # fmt: skip
 
 
 def arithmetic(tags: dict[str, str]) -> str:
@@ -141,6 +148,7 @@ def runs_frame(runs: list, left_out: Callable[[Any], set[str]] | None = None) ->
             "arithmetic": arithmetic(r.data.tags),
             "git_commit": r.data.tags.get("git_commit"),  # the code it was trained with
             "numbers": r.data.tags.get("numbers"),  # experiments.numerics.NUMBERS_VERSION then
+            "corpus_fingerprint": r.data.tags.get(N.CORPUS_FINGERPRINT_TAG),  # the bytes it trained on
             **{current_key(k): v for k, v in r.data.metrics.items() if k not in dropped},
         }
         for r in runs

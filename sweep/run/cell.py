@@ -168,7 +168,8 @@ def train_tracked(
         tracker.log_json(run_id, run.probe_record, "probe_batch.json")
         corpus = run.datamodule.corpus
         tracker.log_json(run_id, corpus.provenance(), "corpus.json")
-        tracker.client.set_tag(run_id, "corpus", corpus.manifest["recipe_hash"])
+        tracker.client.set_tag(run_id, N.CORPUS_TAG, corpus.manifest["recipe_hash"])
+        tracker.client.set_tag(run_id, N.CORPUS_FINGERPRINT_TAG, corpus.fingerprint)
         tracker.client.set_tag(run_id, "probe_sha256", run.probe_record["sha256"])
         tracker.client.set_tag(run_id, N.METRIC_STEPS_TAG, N.METRIC_STEPS_UPDATES)
         tracker.client.set_tag(run_id, N.PRECISION_TAG, str(run.trainer.precision))  # auto, resolved

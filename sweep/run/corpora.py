@@ -26,15 +26,28 @@ def check_sources(data: DataConfig) -> None:
 
 
 def check_fits(grid: Grid, cells: list[Cell], corpus: Corpus) -> None:
-    """The model of each cell can embed every id of the corpus's tokenizer, and a budget that
+    """Each domain's validation and test splits hold a window of each cell's ``seq_len`` + 1
+    tokens, the model of each cell can embed every id of the corpus's tokenizer, and a budget that
     reads no token twice (``data.train_windows: disjoint``) has the windows it reads.
 
     Raises:
-        GridError: naming the row and ``model.vocab_size`` (the tokenizer's size and its file) or
+        GridError: naming the row and ``train.seq_len`` (the split, the domain, the tokens it
+            holds and needs), ``model.vocab_size`` (the tokenizer's size and its file) or
             ``train.max_steps`` (the windows asked and held).
     """
     for cell in cells:
         t = cell.config.train
+        for split in ("val", "test"):  # validation windows, then the probe batch, read them
+            for domain in corpus.domains:
+                held = len(corpus.tokens(split, domain))
+                if held < t.seq_len + 1:
+                    raise GridError(
+                        grid.file,
+                        f"the {split} split of domain '{domain}' holds {held:,} tokens, and a window of "
+                        f"seq_len {t.seq_len} needs {t.seq_len + 1}; give the domain more documents",
+                        cell.row.id,
+                        "train.seq_len",
+                    )
         if cell.config.data.train_windows == "disjoint":
             held = disjoint_windows(len(corpus.tokens("train")), t.seq_len)
             if t.max_steps * t.batch_size > held:

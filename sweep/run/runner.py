@@ -16,6 +16,7 @@ from experiments.checkpointing import checkpoint_problem, drop_step_checkpoints,
 from experiments.corpus import build_corpus
 from experiments.names import Outcome, Status
 from experiments.stability import Diverged
+from sweep.fingerprints import expect_corpus
 from sweep.grid import Cell, Grid
 from sweep.run.cell import StopOnRequest, checkpoint_dir, train_on_ranks
 from sweep.run.corpora import check_fits, check_sources
@@ -81,17 +82,18 @@ def prepare_sweep(
     pin_threads()
     scale = cells[0].scale
     uri = tracking_uri(results_dir)
-    recipes = {c.config.data for c in cells}
+    recipes = list(dict.fromkeys(c.config.data for c in cells))
     for data_cfg in recipes:  # before the store: an offline hub source or a missing file writes nothing
         check_sources(data_cfg)
     check_reachable(uri)
     if default_queue:
         check_one_queue(uri, results_dir)
-    for data_cfg in recipes:
-        check_fits(
-            grid, [c for c in cells if c.config.data == data_cfg], build_corpus(data_cfg, cache_root, log=out)
-        )
+    corpora = [build_corpus(data_cfg, cache_root, log=out) for data_cfg in recipes]
+    for data_cfg, corpus in zip(recipes, corpora):
+        check_fits(grid, [c for c in cells if c.config.data == data_cfg], corpus)
     tracker = Tracker(uri, experiment_name(grid.name, scale), results_dir / "mlartifacts", out)
+    for corpus in corpora:  # runs on other bytes (a source rewritten since) are no results
+        expect_corpus(tracker, corpus)
     return SweepContext(grid, tracker, results_dir, cache_root, stop or StopRequest(), out)
 
 

@@ -1,0 +1,208 @@
+"""What the corpus builds encode documents with: tiktoken where it gives exactly the ids of HF
+``tokenizers`` (``experiments.corpus.fast_bpe``), else ``tokenizers`` itself, and a check of the
+two on a sample of every build's documents.
+
+Both encoders take a batch of texts and give ``(ids, lengths)``: the texts' ids one after another,
+``(sum(lengths),)`` uint32, and each text's count, ``(len(texts),)`` int64, so that what follows
+(end-of-document tokens, splits, writing) is done on the whole batch with numpy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from experiments.corpus.fast_bpe import AddedTokens, describe, tiktoken_encoding
+
+ENGINE_ENV = "GATED_ATTN_ENCODER"
+"""``tokenizers`` in the environment: encode with HF ``tokenizers`` whatever the file (the benchmark's
+comparison; a way out should tiktoken ever be doubted)."""
+
+CHECK_FIRST = 16
+CHECK_EVERY = 499
+
+
+Batch = TypeVar("Batch")
+
+
+class Mismatch(RuntimeError):
+    """tiktoken and ``tokenizers`` gave different ids for a sampled document: encode with ``tokenizers``."""
+
+
+class DocumentEncoder(Protocol):
+    """``encode(texts)`` gives ``(ids, lengths)`` (see the module docstring); ``engine`` names it."""
+
+    engine: str
+
+    def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+def _joined(chunks: list[tuple[array, list[int]]]) -> tuple[np.ndarray, np.ndarray]:
+    ids = [np.frombuffer(flat, dtype=np.uint32) for flat, _ in chunks]
+    lengths = [n for _, counts in chunks for n in counts]
+    flat = np.concatenate(ids) if ids else np.zeros(0, dtype=np.uint32)
+    return flat, np.asarray(lengths, dtype=np.int64)
+
+
+class TiktokenEncoder:
+    """tiktoken on ``threads`` threads; the ids ``tokenizers`` gives, the post-processor's ``prefix``
+    and ``suffix`` ids around each document (``add_special_tokens``)."""
+
+    engine = "tiktoken"
+
+    def __init__(
+        self, encoding: Any, ids: np.ndarray, added: AddedTokens, prefix: list[int], suffix: list[int],
+        threads: int,
+    ) -> None:  # fmt: skip
+        self.encoding, self.added, self.threads = encoding, added, threads
+        # Ranks past tiktoken's stand for the added tokens and the post-processor's ids.
+        extra = sorted({*added.ids.values(), *prefix, *suffix})
+        self.rank_of = {token: len(ids) + k for k, token in enumerate(extra)}
+        self.lut = np.concatenate([ids, np.asarray(extra, dtype=np.uint32)])
+        self.prefix = [self.rank_of[t] for t in prefix]
+        self.suffix = [self.rank_of[t] for t in suffix]
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="tiktoken")
+
+    def _ranks(self, text: str) -> list[int]:
+        if self.added.plain(text):
+            return self.encoding.encode_ordinary(text)  # releases the GIL while it works
+        ranks: list[int] = []
+        for piece in self.added.pieces(text):
+            if isinstance(piece, int):
+                ranks.append(self.rank_of[piece])
+            else:
+                ranks.extend(self.encoding.encode_ordinary(piece))
+        return ranks
+
+    def _chunk(self, texts: Sequence[str]) -> tuple[array, list[int]]:
+        flat, counts = array("I"), []
+        for text in texts:
+            ranks = self._ranks(text)
+            flat.extend(self.prefix)
+            flat.extend(ranks)
+            flat.extend(self.suffix)
+            counts.append(len(self.prefix) + len(ranks) + len(self.suffix))
+        return flat, counts
+
+    def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """The texts' ids and counts (see the module docstring)."""
+        step = max(1, -(-len(texts) // (4 * self.threads)))  # a few chunks a thread evens out their sizes
+        chunks = list(self.pool.map(self._chunk, [texts[i : i + step] for i in range(0, len(texts), step)]))
+        flat, lengths = _joined(chunks)
+        return self.lut[flat], lengths
+
+
+class TokenizersEncoder:
+    """HF ``tokenizers`` itself, on every core."""
+
+    engine = "tokenizers"
+
+    def __init__(self, tokenizer: Tokenizer, add_special_tokens: bool) -> None:
+        self.tokenizer, self.add_special_tokens = tokenizer, add_special_tokens
+
+    def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """The texts' ids and counts (see the module docstring)."""
+        encodings = self.tokenizer.encode_batch_fast(list(texts), add_special_tokens=self.add_special_tokens)
+        flat = array("I")
+        for encoding in encodings:
+            flat.extend(encoding.ids)
+        return _joined([(flat, [len(e.ids) for e in encodings])])
+
+
+def _around(tokenizer: Tokenizer) -> tuple[list[int], list[int]] | None:
+    """The ids the post-processor puts before and after a document's own, or ``None`` if it does
+    something else."""
+    plain = tokenizer.encode("a b", add_special_tokens=False).ids
+    full = tokenizer.encode("a b", add_special_tokens=True).ids
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return full[:start], full[start + len(plain) :]
+    return None
+
+
+def _unsupported(spec: dict[str, Any], tokenizer: Tokenizer, add_special_tokens: bool) -> str | None:
+    normalizer = spec.get("normalizer")
+    if normalizer and normalizer.get("type") != "NFC":
+        return f"normalizer {describe(normalizer)}"
+    for added in spec.get("added_tokens", []):
+        if added.get("lstrip") or added.get("rstrip") or added.get("single_word"):
+            return f"added token {added['content']!r} strips or matches whole words"
+    if add_special_tokens and _around(tokenizer) is None:
+        return f"post-processor {describe(spec.get('post_processor'))}"
+    if os.environ.get(ENGINE_ENV) == "tokenizers":
+        return f"{ENGINE_ENV}=tokenizers"
+    return None
+
+
+def document_encoder(
+    tokenizer: Tokenizer, add_special_tokens: bool, log: Callable[[str], None], threads: int | None = None
+) -> DocumentEncoder:
+    """The fastest exact encoder of ``tokenizer`` as :func:`~Tokenizer.encode_batch_fast` would
+    encode: tiktoken, or ``tokenizers`` after one line of ``log`` saying why not."""
+    spec = json.loads(tokenizer.to_str())
+    reason = _unsupported(spec, tokenizer, add_special_tokens)
+    built = tiktoken_encoding(spec) if reason is None else reason
+    if isinstance(built, str):
+        log(f"corpus: encoding with HF tokenizers, not tiktoken: {built}")
+        return TokenizersEncoder(tokenizer, add_special_tokens)
+    prefix, suffix = _around(tokenizer) if add_special_tokens else ([], [])  # type: ignore[misc]
+    nfc = (spec.get("normalizer") or {}).get("type") == "NFC"
+    special_as_text = tokenizer.encode_special_tokens  # then special tokens in the text are plain text
+    added = [a for a in spec.get("added_tokens", []) if not (a.get("special") and special_as_text)]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return TiktokenEncoder(built[0], built[1], AddedTokens(added, nfc), prefix, suffix, threads or cores)
+
+
+class SampleCheck:
+    """``encoder`` with its ids compared with ``tokenizers``' own on a sample of the documents: the
+    first :data:`CHECK_FIRST` and one in every :data:`CHECK_EVERY` after them (``tokenizers`` is
+    several times slower: the sample costs about 2 % of tiktoken's time)."""
+
+    def __init__(self, encoder: DocumentEncoder, reference: TokenizersEncoder) -> None:
+        self.encoder, self.reference, self.seen = encoder, reference, 0
+
+    def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """The texts' ids and counts (see the module docstring).
+
+        Raises:
+            Mismatch: tiktoken and ``tokenizers`` differ on a sampled document.
+        """
+        flat, lengths = self.encoder.encode(texts)
+        if self.encoder.engine != self.reference.engine:
+            ends = np.cumsum(lengths)
+            at = [i for i in range(len(texts)) if (n := self.seen + i) < CHECK_FIRST or n % CHECK_EVERY == 0]
+            theirs, counts = self.reference.encode([texts[i] for i in at])
+            for i, mine in zip(at, np.split(theirs, np.cumsum(counts)[:-1])):
+                if not np.array_equal(flat[ends[i] - lengths[i] : ends[i]], mine):
+                    raise Mismatch(
+                        f"tiktoken and tokenizers differ on document {self.seen + i:,} of the build"
+                    )
+        self.seen += len(texts)
+        return flat, lengths
+
+
+def pipelined(
+    batches: Iterable[Batch], encode: Callable[[Batch], tuple[np.ndarray, np.ndarray]]
+) -> Iterator[tuple[Batch, tuple[np.ndarray, np.ndarray]]]:
+    """Each batch with ``encode(batch)``, the next batch's encoding started before this one is handed
+    over: the encoder's threads work while the caller writes (and while the sample is checked).
+
+    Raises:
+        Mismatch: as ``encode``, when the batch it concerns is reached.
+    """
+    with ThreadPoolExecutor(1, thread_name_prefix="encode-ahead") as ahead:
+        pending: tuple[Batch, Any] | None = None
+        for batch in batches:
+            job = ahead.submit(encode, batch)
+            if pending is not None:
+                yield pending[0], pending[1].result()
+            pending = (batch, job)
+        if pending is not None:
+            yield pending[0], pending[1].result()
