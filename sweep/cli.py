@@ -154,8 +154,8 @@ def _main(argv: list[str] | None) -> int:
             paths = write_tables(grid, args.scale, results, _command_line(), table_seeds)
             print(f"table: {paths['md']} (also .csv, .tex)")
             return 1 if failed else 0
-        from sweep.run.queue import run_queued_sweep
-        from sweep.run.runner import summary_line
+        from sweep.run.driver import run_queued_sweep
+        from sweep.run.summary import summary_line
         from sweep.signals import StopRequest
         from sweep.studies import storage_url
 
@@ -286,7 +286,7 @@ def _worker_args(args: argparse.Namespace, url: str) -> list[str]:
 
 
 def _worker(args: argparse.Namespace, grid, cells, results: Path, cache: Path | None) -> int:
-    from sweep.run.queue import run_worker
+    from sweep.run.worker import run_worker
     from sweep.signals import StopRequest
     from sweep.studies import storage_url
 

@@ -17,20 +17,12 @@ from mlflow import MlflowClient
 
 from sweep.cli import main
 from sweep.grid import Grid, load_grid
-from sweep.run.queue import (
-    CLAIM_ATTR,
-    Queue,
-    drain,
-    enqueue_cells,
-    open_queue,
-    pop_cell,
-    queue_outcomes,
-    record,
-    run_queued_sweep,
-    run_worker,
-)
+from sweep.run.driver import run_queued_sweep
+from sweep.run.queue import CLAIM_ATTR, Queue, enqueue_cells, open_queue, pop_cell, record
 from sweep.run.resume import worker_name
 from sweep.run.runner import SweepContext, prepare_sweep
+from sweep.run.summary import queue_outcomes
+from sweep.run.worker import drain, run_worker
 from sweep.signals import StopRequest
 from sweep.studies import storage_url
 from tests.support import (
@@ -393,7 +385,7 @@ def test_a_worker_cut_off_from_the_queue_stops_its_cell_saved_and_the_next_resum
     stop = StopRequest()
     with pytest.MonkeyPatch.context() as mp, pytest.warns(UserWarning, match="heartbeat of"):
         mp.setattr(StopOnRequest, "on_train_batch_start", slow_steps)
-        mp.setattr("sweep.run.queue.open_queue", lambda *args: q.queue)
+        mp.setattr("sweep.run.driver.open_queue", lambda *args: q.queue)
         (cut_off,) = run_queued_sweep(
             q.grid, q.cells, q.results, 1, q.url, [], 1, False, ROOT / ".cache", stop, lines.append
         )

@@ -1,6 +1,6 @@
 """Queue workers as cluster jobs: ``make sweep LAUNCHER=slurm WORKERS=N PARTITION=...``.
 
-The driver (:func:`sweep.run.queue.run_queued_sweep`) prepares the store and the corpus and
+The driver (:func:`sweep.run.driver.run_queued_sweep`) prepares the store and the corpus and
 enqueues the cells as for local workers; then, instead of starting N processes, it submits N jobs
 with `submitit <https://github.com/facebookincubator/submitit>`_ (SLURM, or submitit's
 ``LocalExecutor`` with ``--launcher submitit-local``, which runs the same jobs on this machine) and
@@ -168,7 +168,7 @@ def _wait_for_worker() -> int:
 
 class SubmititLauncher:
     """Starts the driver's workers as submitit jobs and waits for them (the ``launch`` argument of
-    :func:`sweep.run.queue.run_queued_sweep`)."""
+    :func:`sweep.run.driver.run_queued_sweep`)."""
 
     def __init__(self, settings: ClusterSettings, poll_s: float = 5.0) -> None:
         """Raises:
