@@ -23,7 +23,7 @@ from pathlib import Path
 
 from experiments.names import Outcome
 from sweep.grid import Cell, Grid
-from sweep.run.queue import enqueue_cells, open_queue, queue_name
+from sweep.run.queue import SWEEP_ENV, enqueue_cells, open_queue, queue_name
 from sweep.run.resume import worker_name
 from sweep.run.runner import CellResult, prepare_sweep
 from sweep.run.summary import queue_outcomes
@@ -31,8 +31,8 @@ from sweep.run.worker import drain
 from sweep.signals import StopRequest, child_preexec, wait_forwarding
 from sweep.store_urls import STORAGE_ENV, hide_password
 
-#: Starts the workers' command ``count`` times, waits for them, returns their names (``host:pid``) or None.
-Launcher = Callable[[list[str], int, StopRequest, Callable[[str], None]], "set[str] | None"]
+#: Starts the workers' command ``count`` times with the environment given added, and waits for them.
+Launcher = Callable[[list[str], int, StopRequest, Callable[[str], None], dict[str, str]], object]
 
 
 def run_queued_sweep(
@@ -72,10 +72,12 @@ def run_queued_sweep(
         f"worker{'s' if workers > 1 else ''}"
     )
     count = workers if wanted and stop.signum is None else 0
+    sweep = worker_name()  # the sweep's name in the queue's claims: this driver's
     if count == 1 and launch is None:
-        mine = {o.cell.run_key: o for o in drain(queue, cells, ctx, heartbeat_s, alone=len(wanted))}
+        drained = drain(queue, cells, ctx, heartbeat_s, alone=len(wanted), sweep=sweep)
+        mine = {o.cell.run_key: o for o in drained}
         try:
-            found = queue_outcomes(queue, cells, wanted, ctx, {worker_name()})
+            found = queue_outcomes(queue, cells, wanted, ctx, sweep)
         except Exception:  # the fence stopped the worker: the queue's database still does not answer
             if stop.signum is None:
                 raise
@@ -83,9 +85,10 @@ def run_queued_sweep(
         # an outcome the fence kept from being recorded: as this worker saw it
         return [mine.get(o.cell.run_key, o) if o.status == Outcome.NOT_STARTED else o for o in found]
     command = [sys.executable, "-m", "sweep.cli", "worker", *worker_args]  # each pins its threads
-    env = {STORAGE_ENV: url}  # not in the command line, which every user of the machine can read
-    own = (launch or start_processes)(command, count, stop, out, env) if count else set()
-    return queue_outcomes(queue, cells, wanted, ctx, own)
+    env = {STORAGE_ENV: url, SWEEP_ENV: sweep}  # the URL not in the command line, which every user can read
+    if count:
+        (launch or start_processes)(command, count, stop, out, env)
+    return queue_outcomes(queue, cells, wanted, ctx, sweep)
 
 
 def start_processes(

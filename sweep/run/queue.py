@@ -11,8 +11,9 @@ Optuna's RDB storage (``STORAGE``; SQLite, PostgreSQL or MySQL):
    ``row``, ``seed``, ``force``).
 2. **Pop** (:func:`pop_cell`, a worker). Optuna's check-and-set,
    ``set_trial_state_values(RUNNING)``, succeeds for exactly one process; the winner records a
-   first heartbeat and its claim (:data:`CLAIM_ATTR`: trial, ``host:pid``, process start). A
-   later stage waits while its parent's trial is in flight.
+   first heartbeat and its claim (:data:`CLAIM_ATTR`: trial, ``host:pid``, process start, and
+   the sweep it works for, :func:`sweep_of`). A later stage waits while its parent's trial is in
+   flight.
 3. **Defer to an older twin** (:func:`older_twin`). Two drivers that enqueued one cell at the
    same moment made two trials; the younger one is recorded ``duplicate`` and the older one
    trains the cell.
@@ -34,6 +35,7 @@ starts workers is :mod:`sweep.run.driver`. On many machines each runs ``make swe
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 
@@ -50,9 +52,26 @@ MAX_RETRY = 3  # takeovers of one cell before it is left failed (a cell that kil
 IN_FLIGHT = (TrialState.WAITING, TrialState.RUNNING)
 CELL_ATTRS = ("run_key", "row", "seed", "force")  # a queue trial's user attributes name its cell
 #: The user attribute of a popped trial: ``{"trial": its number, "worker": host:pid, "started":
-#: that process's start time}``. Optuna's retry copies a failed trial's attributes; the number
-#: tells a copy, not popped yet, from a trial its worker holds.
+#: that process's start time, "sweep": the sweep's name}``. Optuna's retry copies a failed
+#: trial's attributes; the number tells a copy, not popped yet, from a trial its worker holds.
 CLAIM_ATTR = "claim"
+#: The environment variable that names a worker's sweep: its driver's ``host:pid``, set for the
+#: worker processes and cluster jobs it starts (a worker started by hand is a sweep of its own).
+SWEEP_ENV = "GATED_ATTN_SWEEP"
+
+
+def own_sweep() -> str:
+    """The sweep this process works for: :data:`SWEEP_ENV`, or this process (``host:pid``)."""
+    return os.environ.get(SWEEP_ENV) or worker_name()
+
+
+def sweep_of(trial: FrozenTrial) -> str | None:
+    """The sweep whose worker popped ``trial`` (its claim's ``sweep``; a claim written before
+    claims named one: its worker), or None while no worker has claimed it."""
+    claim = trial.user_attrs.get(CLAIM_ATTR) or {}
+    if claim.get("trial") != trial.number:  # not popped yet, or a retry's inherited claim
+        return None
+    return claim.get("sweep") or claim.get("worker")
 
 
 def queue_name(scale: str) -> str:
@@ -109,14 +128,16 @@ def enqueue_cells(queue: Queue, cells: list[Cell], ctx: SweepContext, force: boo
     return wanted
 
 
-def pop_cell(queue: Queue, known: set[str], parents: dict[str, str] | None = None) -> FrozenTrial | None:
+def pop_cell(
+    queue: Queue, known: set[str], parents: dict[str, str] | None = None, sweep: str | None = None
+) -> FrozenTrial | None:
     """Take one WAITING trial of a cell in ``known`` (RUNNING, its ``worker`` this process), or
     None. A later stage (``parents``: run key -> its parent's) waits while its parent's is in flight.
 
     ``set_trial_state_values(RUNNING)`` returns False for every process but the first, so one
     trial goes to exactly one worker (the same check-and-set as ``Study.ask``). Its first
     heartbeat is recorded at once: Optuna never fails a RUNNING trial that has none. Then its
-    :data:`CLAIM_ATTR` names this process."""
+    :data:`CLAIM_ATTR` names this process, and ``sweep`` (default :func:`own_sweep`)."""
     parents = parents or {}
     pending = {t.user_attrs.get("run_key") for t in queue.in_flight()} if parents else set()
     for trial in queue.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
@@ -131,6 +152,7 @@ def pop_cell(queue: Queue, known: set[str], parents: dict[str, str] | None = Non
                 queue.storage.record_heartbeat(trial_id)
                 queue.storage.set_trial_user_attr(trial_id, "worker", worker_name())
                 claim = {"trial": trial.number, "worker": worker_name(), "started": own_start()}
+                claim["sweep"] = sweep or own_sweep()
                 queue.storage.set_trial_user_attr(trial_id, CLAIM_ATTR, claim)
                 return trial
         except optuna.exceptions.UpdateFinishedTrialError:
@@ -163,6 +185,35 @@ def settle_this_machine(queue: Queue) -> None:
         retry = queue.storage.get_heartbeat_stale_trial_callback()  # as fail_stale_trials: MAX_RETRY
         if retry is not None:
             retry(queue.study, queue.storage.get_trial(trial_id))
+
+
+def held_elsewhere(
+    queue: Queue, known: set[str], parents: dict[str, str], sweep: str
+) -> dict[str, FrozenTrial]:
+    """The cells of ``known`` in flight that another sweep's live worker of this machine holds,
+    which a sweep (``sweep``) must not wait for: run key -> the RUNNING trial of that worker, the
+    cell's own or, for a later stage still WAITING, its parent's (or an earlier ancestor's).
+
+    Such a worker is judged by its process (:func:`settle_this_machine`, called first): it is
+    never taken over while the process exists, a stopped one (Ctrl-Z) included, so waiting for it
+    could last for ever. Another machine's worker is waited for: it ends the cell, or its
+    heartbeat lapses and the waiting sweep takes the cell over."""
+    here = socket.gethostname()
+    flying = [t for t in queue.in_flight() if t.user_attrs.get("run_key") in known | set(parents.values())]
+    held = {}
+    for t in flying:
+        owner = sweep_of(t)
+        worker = str((t.user_attrs.get(CLAIM_ATTR) or {}).get("worker", ""))
+        if t.state == TrialState.RUNNING and owner not in (None, sweep) and worker.rpartition(":")[0] == here:
+            held[t.user_attrs["run_key"]] = t
+    waiting = {t.user_attrs["run_key"] for t in flying if t.state == TrialState.WAITING}
+    grew = True
+    while grew:  # a later stage waits on its parent: held when the parent is
+        grew = False
+        for key in waiting - set(held):
+            if parents.get(key) in held:
+                held[key], grew = held[parents[key]], True
+    return {k: t for k, t in held.items() if k in known}
 
 
 def older_twin(queue: Queue, trial: FrozenTrial) -> FrozenTrial | None:

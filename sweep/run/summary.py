@@ -3,23 +3,25 @@ summary line that counts them (``finished 12, resumed 1, skipped 0, diverged 0, 
 
 from __future__ import annotations
 
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import FrozenTrial
 
 from experiments.names import Outcome
 from sweep.grid import Cell
-from sweep.run.queue import Queue
+from sweep.run.queue import Queue, held_elsewhere, sweep_of
 from sweep.run.runner import CellResult, SweepContext
 
 
 def queue_outcomes(
-    queue: Queue, cells: list[Cell], wanted: dict[str, int], ctx: SweepContext, own: set[str] | None = None
+    queue: Queue, cells: list[Cell], wanted: dict[str, int], ctx: SweepContext, sweep: str | None = None
 ) -> list[CellResult]:
     """One outcome per cell: skipped (a result before this sweep), or the last outcome a worker
     recorded on one of its trials from ``wanted[run_key]`` on (trial numbers, not clocks: the
     workers may be on other machines); ``skipped`` never replaces an earlier outcome (a younger
-    twin, taken after the older one's result, only finds that result). With ``own`` (this
-    sweep's workers, ``host:pid``), a cell another sweep's worker took reads ``skipped``, its note
-    saying who and what: the summary counts what this sweep did."""
+    twin, taken after the older one's result, only finds that result). With ``sweep`` (this
+    sweep's name, :func:`~sweep.run.queue.sweep_of`), the summary counts what this sweep did: a
+    cell another sweep's worker took reads ``skipped``, its note saying who and what, and one
+    that another sweep's live worker of this machine holds reads ``busy`` (also after a Ctrl-C;
+    :func:`~sweep.run.queue.held_elsewhere`)."""
     last: dict[str, FrozenTrial] = {}
     for t in queue.study.get_trials(deepcopy=False):  # in trial-number order
         key, recorded = t.user_attrs.get("run_key"), t.user_attrs.get("outcome")
@@ -29,11 +31,8 @@ def queue_outcomes(
             last[key] = t
     queued = set(wanted)
     pending = {t.user_attrs.get("run_key") for t in queue.in_flight()}
-    running = {
-        t.user_attrs.get("run_key"): t.user_attrs.get("worker", "another worker")
-        for t in queue.in_flight()
-        if t.state == TrialState.RUNNING
-    }
+    parents = {c.run_key: c.parent.run_key for c in cells if c.parent is not None}
+    held = held_elsewhere(queue, queued, parents, sweep) if sweep is not None else {}
     outcomes = []
     for cell in cells:
         if cell.run_key not in queued:
@@ -41,17 +40,17 @@ def queue_outcomes(
         elif cell.run_key in last:
             t = last[cell.run_key]
             worker, outcome = t.user_attrs.get("worker", "?"), t.user_attrs["outcome"]
-            if own is not None and worker not in own:
+            if sweep is not None and sweep_of(t) not in (None, sweep):
                 note = f"{outcome} by another sweep's worker {worker}"
                 outcomes.append(CellResult(cell, Outcome.SKIPPED, note=note))
             else:
                 outcomes.append(CellResult(cell, outcome, note=t.user_attrs.get("note", "")))
         elif ctx.tracker.current_result(cell) is not None:
             outcomes.append(CellResult(cell, Outcome.SKIPPED, note="finished by another sweep"))
+        elif cell.run_key in held:
+            outcomes.append(CellResult(cell, Outcome.BUSY, note=busy_note(cell, held[cell.run_key])))
         elif ctx.stop.signum is not None:
             outcomes.append(CellResult(cell, Outcome.NOT_STARTED, note="the sweep was interrupted"))
-        elif own is not None and cell.run_key in running and (worker := running[cell.run_key]) not in own:
-            outcomes.append(CellResult(cell, Outcome.BUSY, note=f"being trained by {worker}"))
         elif cell.run_key in pending:  # this machine's workers died: another's, or a rerun, take it
             note = "still in the queue: another machine's worker or the same command again trains it"
             outcomes.append(CellResult(cell, Outcome.FAILED, note=note))
@@ -59,6 +58,15 @@ def queue_outcomes(
             note = "no worker finished it (see the workers' output)"
             outcomes.append(CellResult(cell, Outcome.FAILED, note=note))
     return outcomes
+
+
+def busy_note(cell: Cell, holder: FrozenTrial) -> str:
+    """Who holds a ``busy`` cell: another sweep's worker, training it or its parent stage."""
+    worker = holder.user_attrs.get("worker", "?")
+    if holder.user_attrs.get("run_key") == cell.run_key:
+        return f"another sweep's worker {worker} trains it (alive, or stopped: a stopped process counts)"
+    parent = f"{holder.user_attrs.get('row')} s{holder.user_attrs.get('seed')}"
+    return f"waits for its parent stage {parent}, which another sweep's worker {worker} trains"
 
 
 def summary_line(outcomes: list[CellResult]) -> str:

@@ -23,7 +23,16 @@ from experiments.names import Outcome
 from sweep.grid import Cell, Grid
 from sweep.run.placement import job_nodes
 from sweep.run.progress import SweepClock
-from sweep.run.queue import Queue, older_twin, open_queue, pop_cell, record, settle_this_machine
+from sweep.run.queue import (
+    Queue,
+    held_elsewhere,
+    older_twin,
+    open_queue,
+    own_sweep,
+    pop_cell,
+    record,
+    settle_this_machine,
+)
 from sweep.run.resume import Heartbeat, worker_name
 from sweep.run.runner import CellResult, SweepContext, prepare_sweep, run_cell
 from sweep.signals import StopRequest
@@ -57,25 +66,33 @@ def drain(
     heartbeat_s: int,
     poll_s: float = POLL_S,
     alone: int = 0,
+    sweep: str | None = None,
 ) -> list[CellResult]:
-    """Pop and train cells of ``cells`` until the queue has none WAITING or RUNNING, or a signal
-    arrives. Returns the outcomes of the cells this worker took.
+    """Pop and train cells of ``cells`` until the queue has none WAITING or RUNNING that this
+    worker may train or wait for, or a signal arrives. Returns the outcomes of the cells this
+    worker took.
+
+    It waits for the cells other workers train (one of them may die, and its cell is then taken
+    over), except those another sweep's live worker of this machine holds, a stopped process
+    included, and later stages waiting on them (:func:`~sweep.run.queue.held_elsewhere`): such a
+    worker is never taken over, and this sweep's summary counts them ``busy``. ``sweep``
+    (default :func:`~sweep.run.queue.own_sweep`) names this worker's sweep in its claims.
 
     ``alone`` (the number of cells the sweep queued) makes this the sweep's one worker, in the
-    sweep's own process (``WORKERS=1``): its lines number the cells ``[i/n]``. Like any worker
-    it waits for the cells other workers of this queue train (one of them may die)."""
+    sweep's own process (``WORKERS=1``): its lines number the cells ``[i/n]``."""
     stop, out = ctx.stop, ctx.out
     by_key = {c.run_key: c for c in reversed(cells)}  # the first cell of each config, as enqueued
     parents = {c.run_key: c.parent.run_key for c in cells if c.parent is not None}
     clock = SweepClock(alone or len(by_key))
-    me = worker_name()
+    me, sweep = worker_name(), sweep or own_sweep()
     outcomes: list[CellResult] = []
     while stop.signum is None:
         settle_this_machine(queue)  # first: a live worker of this machine is never failed
         optuna.storages.fail_stale_trials(queue.study)  # a dead worker's cell goes back as WAITING
-        popped, trial = time.monotonic(), pop_cell(queue, set(by_key), parents)
+        popped, trial = time.monotonic(), pop_cell(queue, set(by_key), parents, sweep)
         if trial is None:
-            if not {t.user_attrs.get("run_key") for t in queue.in_flight()} & set(by_key):
+            flying = {t.user_attrs.get("run_key") for t in queue.in_flight()} & set(by_key)
+            if not flying - set(held_elsewhere(queue, set(by_key), parents, sweep)):
                 break
             time.sleep(poll_s)
             continue
