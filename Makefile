@@ -59,7 +59,7 @@ export GATED_ATTN_CPU_ARITH := native
 endif
 ARGS := --grid '$(GRID)' --scale '$(SCALE)' $(if $(SEEDS),--seeds '$(SEEDS)') $(if $(ROWS),--rows '$(ROWS)') $(if $(FORCE),--force)
 
-.PHONY: test-all setup sweep budget data tokenizer-neox example-data corpus-bench results eval tables init-table params tune stability dashboard throughput bench bench-moe gpu-check compare ui ui-check servers-setup servers-check test golden lint clean
+.PHONY: test-all setup sweep budget data tokenizer-neox example-data corpus-bench results eval tables init-table params tune stability dashboard throughput bench bench-moe gpu-check compare ui ui-check servers-setup servers-check slurm-check test golden lint clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -181,6 +181,13 @@ servers-setup: $(STAMP)
 servers-check: servers-setup
 	$(PY) -m tools.servers_check
 	$(PY) -m tools.fence_check
+
+# LAUNCHER=slurm against a real SLURM (docs/cluster.md): a throwaway cluster on this machine
+# (Debian's slurm-wlm, munge, slurmdbd on MariaDB; two slurmd), installed with apt-get where missing
+# and stopped at the end (root); a micro sweep, scancel, scontrol requeue, a time limit,
+# pre-emption with and without a grace time, a two-node cell, a killed driver (tools/slurm_check.py)
+slurm-check: $(STAMP)
+	$(PY) -m tools.slurm_check
 
 # two runs or two rows of GRID side by side: RUNS=baseline,sdpa_elementwise (row ids) or run ids
 compare: $(STAMP)

@@ -87,7 +87,7 @@ def _main(argv: list[str] | None) -> int:
     from sweep.eval.suite import BenchError
     from sweep.grid import MAX_SEEDS, load_grid
     from sweep.gridfile import GridError
-    from sweep.run.slurm import LauncherError, launcher_for
+    from sweep.run.slurm import LauncherError, check_time_limit, launcher_for
     from sweep.store_urls import TrackingError
 
     args = parser(__doc__.splitlines()[0]).parse_args(argv)
@@ -97,6 +97,12 @@ def _main(argv: list[str] | None) -> int:
     if getattr(args, "launcher", "local") != "local" and args.workers == "auto":
         print(f"error: --launcher {args.launcher} needs --workers N (the number of jobs)", file=sys.stderr)
         return 2
+    if getattr(args, "launcher", "local") != "local":
+        try:
+            check_time_limit(args.time_limit)
+        except LauncherError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     if hasattr(args, "workers"):
         args.workers = _workers(args.workers)
     if getattr(args, "no_system_metrics", False):  # the workers inherit it
