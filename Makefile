@@ -66,7 +66,7 @@ export GATED_ATTN_CPU_ARITH := native
 endif
 ARGS := --grid '$(GRID)' --scale '$(SCALE)' $(if $(SEEDS),--seeds '$(SEEDS)') $(if $(ROWS),--rows '$(ROWS)') $(if $(FORCE),--force)
 
-.PHONY: help headline export test-all test-gpu setup sweep budget data tokenizer-neox example-data corpus-bench results eval tables init-table params tune stability dashboard throughput bench bench-moe gpu-check compare ui ui-check servers-setup servers-check test golden lint clean
+.PHONY: help headline export test-all test-gpu setup sweep budget data tokenizer-neox example-data corpus-bench results eval tables init-table params tune stability dashboard throughput bench bench-moe gpu-check compare ui ui-check servers-setup servers-check slurm-check test golden lint clean
 # `make` alone prints this list; docs/commands.md has every target and variable in tables, and
 # tests/test_cli_help.py checks that every target and every sweep.cli / sweep.browse command is in it
 .DEFAULT_GOAL := help
@@ -105,6 +105,7 @@ Checks and benchmarks
   ui-check        the UI in headless Chromium, with a screenshot
   servers-setup   install PostgreSQL's server and psycopg
   servers-check   the many-machines recipe on a throwaway PostgreSQL and MLflow server
+  slurm-check     LAUNCHER=slurm on a throwaway SLURM (two slurmd): cancel, requeue, pre-emption
 Set-up
   setup           create .venv (every target does it by itself)
   clean           remove .venv, .cache and the local stores
@@ -244,6 +245,13 @@ servers-setup: $(STAMP)
 servers-check: servers-setup
 	$(PY) -m tools.servers_check
 	$(PY) -m tools.fence_check
+
+# LAUNCHER=slurm against a real SLURM (docs/cluster.md): a throwaway cluster on this machine
+# (Debian's slurm-wlm, munge, slurmdbd on MariaDB; two slurmd), installed with apt-get where missing
+# and stopped at the end (root); a micro sweep, scancel, scontrol requeue, a time limit,
+# pre-emption with and without a grace time, a two-node cell, a killed driver (tools/slurm_check.py)
+slurm-check: $(STAMP)
+	$(PY) -m tools.slurm_check
 
 # two runs or two rows of GRID side by side: RUNS=baseline,sdpa_elementwise (row ids) or run ids
 compare: $(STAMP)

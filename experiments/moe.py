@@ -215,8 +215,8 @@ def grouped_mm_problem(device: torch.device, dtype: torch.dtype, d_model: int, e
     unaligned counts with an empty expert, once per device type, dtype and shape in a process (a
     few milliseconds). The kernel needs rows of a multiple of 16 bytes, among others."""
     key = (device.type, dtype, d_model, expert_dim)
-    if key not in _PATH_CHECKS:
-        with torch.autocast(device.type, enabled=False):
+    if key not in _PATH_CHECKS:  # a backward: with gradients even when the caller scores without
+        with torch.autocast(device.type, enabled=False), torch.enable_grad():
             _PATH_CHECKS[key] = _check_grouped_mm(device, dtype, d_model, expert_dim)
     return _PATH_CHECKS[key]
 

@@ -92,7 +92,7 @@ def _main(argv: list[str] | None) -> int:
     from sweep.grid import MAX_SEEDS, load_grid
     from sweep.gridfile import GridError
     from sweep.run.gpus import GpuLayoutError
-    from sweep.run.slurm import LauncherError, launcher_for
+    from sweep.run.slurm import LauncherError, check_time_limit, launcher_for
     from sweep.store_urls import TrackingError
 
     args = parser().parse_args(argv)
@@ -102,6 +102,12 @@ def _main(argv: list[str] | None) -> int:
     if getattr(args, "launcher", "local") != "local" and args.workers == "auto":
         print(f"error: --launcher {args.launcher} needs --workers N (the number of jobs)", file=sys.stderr)
         return 2
+    if getattr(args, "launcher", "local") != "local":
+        try:
+            check_time_limit(args.time_limit)
+        except LauncherError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     if hasattr(args, "workers"):
         args.workers = _workers(args.workers)
     if getattr(args, "no_system_metrics", False):  # the workers inherit it
@@ -163,8 +169,8 @@ def _main(argv: list[str] | None) -> int:
             paths = write_tables(grid, args.scale, results, _command_line(), table_seeds)
             print(f"table: {paths['md']} (also .csv, .tex)")
             return 1 if failed else 0
-        from sweep.run.queue import run_queued_sweep
-        from sweep.run.runner import summary_line
+        from sweep.run.driver import run_queued_sweep
+        from sweep.run.summary import summary_line
         from sweep.signals import StopRequest
         from sweep.studies import storage_url
 
@@ -259,7 +265,7 @@ def _worker_args(args: argparse.Namespace, url: str) -> list[str]:
 
 
 def _worker(args: argparse.Namespace, grid, cells, results: Path, cache: Path | None) -> int:
-    from sweep.run.queue import run_worker
+    from sweep.run.worker import run_worker
     from sweep.signals import StopRequest
     from sweep.studies import storage_url
 

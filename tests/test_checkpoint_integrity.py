@@ -118,7 +118,7 @@ def test_a_stage_does_not_start_from_a_damaged_parent(tmp_path: Path, repo_cache
 DRIVER = """
 import sys, time
 from sweep.signals import StopRequest
-from sweep.run.queue import start_processes
+from sweep.run.driver import start_processes
 start_processes(sys.argv[1:], 2, StopRequest(), print, {})
 """
 

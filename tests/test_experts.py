@@ -107,6 +107,18 @@ def test_the_path_taken_is_recorded_with_its_reason() -> None:
     assert path == "looped: turned off (use_grouped_mm)"
 
 
+def test_a_model_first_run_without_gradients_takes_the_grouped_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scoring a loaded checkpoint runs under ``no_grad``: the kernel's check (a backward) must
+    not fail there and send the experts to the loop (a bench bpb 1e-8 off the committed one)."""
+    from experiments import moe as moe_module
+
+    monkeypatch.setattr(moe_module, "_PATH_CHECKS", {})
+    layer = MoEFFN(d_model=16, n_experts=4, top_k=2, expert_dim=8)
+    with torch.no_grad():
+        layer(torch.randn(5, 16))
+    assert layer.experts_path == "grouped_mm"
+
+
 def test_the_fp32_compiled_kernel_has_grouped_mm_gradients() -> None:
     """The custom op a float32 compiled graph runs (grouped_mm's meta accepts bf16 only)."""
     x, counts, _, w1, _, _ = random_groups(3)

@@ -251,18 +251,18 @@ def test_a_run_deleted_while_it_trains_fails_its_cell_with_one_line_and_the_swee
 def test_a_sqlite_store_deleted_mid_sweep_stops_it_with_one_line_and_status_2(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    import sweep.run.queue as queue
+    import sweep.run.worker as worker
 
     use_repo_cache(monkeypatch)
     grid, results = tmp_path / "micro.yaml", tmp_path / "results"
     grid.write_text(SHORT_MICRO)
-    run_cell = queue.run_cell
+    run_cell = worker.run_cell
 
     def store_deleted_before_training(cell, ctx, *args, **kwargs):
         (results / "mlflow.db").unlink(missing_ok=True)  # `rm results/mlflow.db` between plan and train
         return run_cell(cell, ctx, *args, **kwargs)
 
-    monkeypatch.setattr(queue, "run_cell", store_deleted_before_training)
+    monkeypatch.setattr(worker, "run_cell", store_deleted_before_training)
     assert main(["sweep", "--grid", str(grid), "--results", str(results), "--rows", "baseline"]) == 2
     captured = capsys.readouterr()
     assert "1 to train" in captured.out

@@ -48,11 +48,12 @@ def test_visible_gpus_follow_the_variable_or_the_device_count(monkeypatch: pytes
 
 
 def test_start_processes_gives_each_worker_its_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The local launcher's real path: each child process prints the CUDA_VISIBLE_DEVICES it got."""
+    """The local launcher starts each worker process with its own CUDA_VISIBLE_DEVICES (the
+    environment each ``Popen`` gets is recorded; the children run ``pass``)."""
     import subprocess
     import sys
 
-    from sweep.run import queue
+    from sweep.run import driver
     from sweep.signals import StopRequest
 
     seen: list[str] = []
@@ -62,7 +63,7 @@ def test_start_processes_gives_each_worker_its_environment(monkeypatch: pytest.M
         seen.append(env.get("CUDA_VISIBLE_DEVICES", "<unset>"))
         return real_popen([sys.executable, "-c", "pass"], env=env, **kw)
 
-    monkeypatch.setattr(queue.subprocess, "Popen", popen)
+    monkeypatch.setattr(driver.subprocess, "Popen", popen)
     with StopRequest() as stop:
-        queue.start_processes(["x"], 4, stop, print, {}, worker_environments(4, 1, 2, ["0", "1"]))
+        driver.start_processes(["x"], 4, stop, print, {}, worker_environments(4, 1, 2, ["0", "1"]))
     assert seen == ["0", "1", "0", "1"]

@@ -17,7 +17,8 @@ from mlflow.entities import ViewType
 
 from sweep.cli import main
 from sweep.grid import load_grid
-from sweep.run.runner import CellResult, summary_line
+from sweep.run.runner import CellResult
+from sweep.run.summary import summary_line
 from sweep.sqlite_lock import sqlite_file
 from tests.support import LONG_MICRO, LONG_STEPS, MICRO, ROOT, start_slow_cli, use_repo_cache
 

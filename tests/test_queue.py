@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,20 +18,12 @@ from mlflow import MlflowClient
 
 from sweep.cli import main
 from sweep.grid import Grid, load_grid
-from sweep.run.queue import (
-    CLAIM_ATTR,
-    Queue,
-    drain,
-    enqueue_cells,
-    open_queue,
-    pop_cell,
-    queue_outcomes,
-    record,
-    run_queued_sweep,
-    run_worker,
-)
+from sweep.run.driver import run_queued_sweep
+from sweep.run.queue import CLAIM_ATTR, Queue, enqueue_cells, held_elsewhere, open_queue, pop_cell, record
 from sweep.run.resume import worker_name
 from sweep.run.runner import SweepContext, prepare_sweep
+from sweep.run.summary import queue_outcomes
+from sweep.run.worker import drain, run_worker
 from sweep.signals import StopRequest
 from sweep.studies import storage_url
 from tests.support import (
@@ -207,8 +200,8 @@ def test_a_cell_another_sweeps_worker_trained_counts_as_skipped_in_this_sweeps_s
     wanted = enqueue_cells(q.queue, q.cells, q.ctx, force=False)
     quiet = lambda _line: None  # noqa: E731
     run_worker(q.grid, q.cells, q.results, q.url, 1, ROOT / ".cache", StopRequest(), out=quiet)
-    (mine,) = queue_outcomes(q.queue, q.cells, wanted, q.ctx, own={worker_name()})
-    (theirs,) = queue_outcomes(q.queue, q.cells, wanted, q.ctx, own={"elsewhere:1"})
+    (mine,) = queue_outcomes(q.queue, q.cells, wanted, q.ctx, sweep=worker_name())
+    (theirs,) = queue_outcomes(q.queue, q.cells, wanted, q.ctx, sweep="elsewhere:1")
     assert mine.status == "finished"
     assert theirs.status == "skipped" and theirs.note == f"finished by another sweep's worker {worker_name()}"
 
@@ -224,7 +217,7 @@ def test_a_younger_twin_that_found_the_result_does_not_hide_who_trained_the_cell
     q.queue.study.enqueue_trial({}, user_attrs=attrs)  # the other machine's driver
     assert record(q.queue, pop_cell(q.queue, set(wanted)), "finished", avg_ppl=1.0)
     assert record(q.queue, pop_cell(q.queue, set(wanted)), "skipped", "finished earlier")
-    (mine,) = queue_outcomes(q.queue, q.cells, wanted, q.ctx, own={worker_name()})
+    (mine,) = queue_outcomes(q.queue, q.cells, wanted, q.ctx, sweep=worker_name())
     assert mine.status == "finished"
 
 
@@ -236,8 +229,92 @@ def test_a_cell_whose_worker_died_reads_failed_but_still_in_the_queue(
     q = queued(tmp_path, MICRO, "baseline")
     wanted = enqueue_cells(q.queue, q.cells, q.ctx, force=False)
     pop_cell(q.queue, set(wanted))  # taken, never recorded: its worker got SIGKILL
-    (cell,) = queue_outcomes(q.queue, q.cells, wanted, q.ctx, own={worker_name()})  # the popper: ours
+    (cell,) = queue_outcomes(q.queue, q.cells, wanted, q.ctx, sweep=worker_name())  # the popper: ours
     assert cell.status == "failed" and cell.note.startswith("still in the queue")
+
+
+@contextlib.contextmanager
+def stopped_worker() -> Iterator[tuple[str, float]]:
+    """A process of this machine stopped with SIGSTOP (Ctrl-Z, a closed laptop lid), as another
+    sweep's worker would be: its ``host:pid`` and start time, for a queue claim."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+        yield f"{socket.gethostname()}:{proc.pid}", psutil.Process(proc.pid).create_time()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_sweep_beside_another_sweeps_stopped_worker_trains_the_rest_ends_and_counts_its_cell_busy(
+    repo_cache: None, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Another sweep's worker holds baseline s0 and is stopped (SIGSTOP): alive, never taken over.
+    A second sweep of the grid trains the other cell, ends, and says once which cell another
+    sweep's worker holds, and which worker; ``busy``, also when it is stopped by hand."""
+    import threading
+
+    q = queued(tmp_path, MICRO, "baseline")
+    (baseline,) = q.cells
+    wanted = enqueue_cells(q.queue, q.cells, q.ctx, force=False)
+    with stopped_worker() as (worker, started):
+        held = pop_cell(q.queue, set(wanted), sweep=worker)
+        claim = {"trial": held.number, "worker": worker, "started": started, "sweep": worker}
+        for attr, value in ((CLAIM_ATTR, claim), ("worker", worker)):  # as that worker wrote them
+            q.queue.storage.set_trial_user_attr(q.queue.trial_id(held), attr, value)
+
+        args = ["sweep", "--grid", str(q.grid_path), "--results", str(q.results), "--workers", "1"]
+        assert main([*args, "--rows", "baseline,sdpa_elementwise"]) == 0
+        out = capsys.readouterr().out
+        assert "2 cells, 2 to train, 0 finished earlier" in out
+        assert "finished 1, resumed 0, skipped 0, busy 1, diverged 0, failed 0" in out
+        busy = [line for line in out.splitlines() if line.startswith("  busy:")]
+        want = f"  busy: baseline seed 0: another sweep's worker {worker} trains it"
+        assert busy == [f"{want} (alive, or stopped: a stopped process counts)"]
+        runs = all_cell_runs(q.results)
+        assert [r.data.tags["row"] for r in runs] == ["sdpa_elementwise"]
+
+        # The same from the worker loop and the summary: the loop leaves at once, and a sweep
+        # stopped by hand (a signal) still says busy, not "not started".
+        drained: list = []
+        loop = threading.Thread(target=lambda: drained.append(drain(q.queue, q.cells, q.ctx, 1, poll_s=0.1)))
+        loop.start()
+        loop.join(timeout=60)
+        assert not loop.is_alive(), "the worker waited for another sweep's live cell"
+        assert drained == [[]]
+        q.ctx.stop.signum = signal.SIGINT
+        (cell,) = queue_outcomes(q.queue, q.cells, wanted, q.ctx, sweep=worker_name())
+        assert (cell.cell, cell.status) == (baseline, "busy") and worker in cell.note
+        (held_now,) = [t for t in queue_trials(q.results) if t.number == held.number]
+        assert held_now.state == optuna.trial.TrialState.RUNNING  # never taken over: it is alive
+
+
+def test_a_later_stage_whose_parent_another_sweep_holds_here_is_left_to_it_and_one_of_this_sweeps_is_not(
+    tmp_path: Path,
+) -> None:
+    queue = open_queue("tiny", f"sqlite:///{tmp_path / 'optuna.db'}", heartbeat_s=1)
+    for key in ("parent", "child", "grandchild", "mine", "mine_child"):
+        queue.study.enqueue_trial({}, user_attrs={"run_key": key, "row": key, "seed": 0, "force": False})
+    queue.study.enqueue_trial({}, user_attrs={"run_key": "far", "row": "far", "seed": 0, "force": False})
+    parents = {"child": "parent", "grandchild": "child", "mine_child": "mine"}
+    pop_cell(queue, {"parent"}, sweep="other:1")
+    pop_cell(queue, {"mine"}, sweep="this:1")
+    far = pop_cell(queue, {"far"}, sweep="other:1")  # another machine's worker: waited for
+    claim = {"trial": far.number, "worker": "gpu-node-7:4242", "started": "0", "sweep": "other:1"}
+    queue.storage.set_trial_user_attr(queue.trial_id(far), CLAIM_ATTR, claim)
+    keys = {"parent", "child", "grandchild", "mine", "mine_child", "far"}
+    held = held_elsewhere(queue, keys, parents, "this:1")
+    assert {k: t.user_attrs["run_key"] for k, t in held.items()} == {
+        "parent": "parent",
+        "child": "parent",
+        "grandchild": "parent",
+    }
+    assert set(held_elsewhere(queue, keys, parents, "other:1")) == {"mine", "mine_child"}
 
 
 def test_a_killed_cell_goes_back_into_the_queue_and_a_lapsed_trial_is_not_overwritten(
@@ -393,7 +470,7 @@ def test_a_worker_cut_off_from_the_queue_stops_its_cell_saved_and_the_next_resum
     stop = StopRequest()
     with pytest.MonkeyPatch.context() as mp, pytest.warns(UserWarning, match="heartbeat of"):
         mp.setattr(StopOnRequest, "on_train_batch_start", slow_steps)
-        mp.setattr("sweep.run.queue.open_queue", lambda *args: q.queue)
+        mp.setattr("sweep.run.driver.open_queue", lambda *args: q.queue)
         (cut_off,) = run_queued_sweep(
             q.grid, q.cells, q.results, 1, q.url, [], 1, False, ROOT / ".cache", stop, lines.append
         )

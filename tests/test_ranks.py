@@ -138,7 +138,15 @@ def test_a_cell_on_two_nodes_starts_one_torchrun_per_node_here_and_one_srun_in_a
     (tmp_path / "srun").write_text("#!/bin/sh\n")
     (tmp_path / "srun").chmod(0o755)
     (srun,) = node_commands(job, 8, 16, "cell7")
-    assert srun[:5] == ["srun", "--overlap", "--nodes=16", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    # --mem=0: the step shares the job's memory too, where SLURM tracks it (make slurm-check)
+    assert srun[:6] == [
+        "srun",
+        "--overlap",
+        "--mem=0",
+        "--nodes=16",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+    ]
     assert "--nnodes=16" in srun and "--nproc-per-node=8" in srun
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from sweep.cli import main
 from sweep.passwords import hide_password
-from sweep.run.queue import start_processes
+from sweep.run.driver import start_processes
 from sweep.signals import StopRequest
 from sweep.store_urls import STORAGE_ENV
 from tests.support import MICRO
@@ -44,7 +44,7 @@ def test_hide_password_replaces_only_the_password(text: str, shown: str) -> None
 def test_a_storage_password_reaches_no_worker_command_line_table_or_printed_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    import sweep.run.queue as queue
+    import sweep.run.driver as driver
 
     seen: dict = {}
 
@@ -52,7 +52,7 @@ def test_a_storage_password_reaches_no_worker_command_line_table_or_printed_line
         seen.update(url=url, worker_args=worker_args)
         return []
 
-    monkeypatch.setattr(queue, "run_queued_sweep", queued)
+    monkeypatch.setattr(driver, "run_queued_sweep", queued)
     grid = tmp_path / "micro.yaml"
     grid.write_text(MICRO)
     results = tmp_path / "results"

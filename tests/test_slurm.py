@@ -20,9 +20,10 @@ from mlflow import MlflowClient
 
 from sweep.cli import main
 from sweep.grid import load_grid
+from sweep.run import slurm_jobs
 from sweep.run.queue import enqueue_cells, open_queue
 from sweep.run.runner import prepare_sweep
-from sweep.run.slurm import ClusterSettings, SubmititLauncher, make_executor
+from sweep.run.slurm import SIGNAL_MARGIN_S, ClusterSettings, LauncherError, SubmititLauncher, make_executor
 from sweep.signals import StopRequest
 from sweep.studies import storage_url
 from tests.support import (
@@ -38,8 +39,6 @@ from tests.support import (
     wait_for_checkpoint,
     weights,
 )
-
-pytestmark = pytest.mark.slow  # make test-all: processes, signals, faults
 
 GLOO = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo backend")
 pytest.importorskip("submitit", reason="the cluster launcher needs submitit (a core dependency)")
@@ -62,6 +61,7 @@ def preempt(how: str, job: int, worker: int) -> None:
         p.kill()
 
 
+@pytest.mark.slow  # make test-all: processes, signals, faults
 @pytest.mark.parametrize("how", ["usr2", "usr2_to_job_id", "sigterm"])
 def test_two_jobs_drain_four_cells_and_a_preempted_jobs_cell_resumes_trained_once(
     repo_cache: None, tmp_path: Path, how: str
@@ -107,10 +107,10 @@ def test_two_jobs_drain_four_cells_and_a_preempted_jobs_cell_resumes_trained_onc
     print(f"4 cells, 2 jobs, one pre-empted: {time.monotonic() - started:.0f} s")
 
     assert lines[0].startswith("submitted 2 submitit-local jobs")
+    ends = {j.job_id: f"job {j.job_id} ended FINISHED" for j in jobs}  # each job's end, once
     if how == "usr2_to_job_id":  # the controller died of it: said, and its worker left saved
-        assert lines[1:] == [f"job {victim.job_id} ended INTERRUPTED; its log: {victim.paths.stdout}"]
-    else:
-        assert len(lines) == 1  # no job ended badly
+        ends[victim.job_id] = f"job {victim.job_id} ended INTERRUPTED; its log: {victim.paths.stdout}"
+    assert sorted(lines[1:]) == sorted(ends.values())
     log = victim.paths.stdout.read_text() + victim.paths.stderr.read_text()
     if how == "usr2":
         assert "pre-emption or time limit: stopping the worker" in log
@@ -148,7 +148,13 @@ def test_the_slurm_job_asks_for_the_partition_gpus_time_and_a_requeue(
     settings = ClusterSettings("slurm", tmp_path, partition="gpu", gpus_per_worker=2, time_limit_min=90)
     executor = make_executor(settings)
     script = executor._executor._make_submission_file_text("python -m sweep.cli worker", "uid")
-    for flag in ("--partition=gpu", "--gpus-per-node=2", "--time=90", "--requeue", "--signal=USR2@90"):
+    for flag in (
+        "--partition=gpu",
+        "--gpus-per-node=2",
+        "--time=90",
+        "--requeue",
+        f"--signal=USR2@{SIGNAL_MARGIN_S}",
+    ):
         assert f"#SBATCH {flag}" in script
     cpu = make_executor(ClusterSettings("slurm", tmp_path, gpus_per_worker=0))
     assert "--gpus-per-node" not in cpu._executor._make_submission_file_text("python", "uid")
@@ -206,6 +212,7 @@ def test_a_cell_on_two_nodes_is_refused_without_a_cluster_launcher(
     assert not (tmp_path / "results").exists()
 
 
+@pytest.mark.slow
 @GLOO
 def test_a_moe_cell_on_two_nodes_of_one_job_trains_as_in_one_process(
     tmp_path: Path, repo_cache: None
@@ -234,3 +241,142 @@ def test_a_moe_cell_on_two_nodes_of_one_job_trains_as_in_one_process(
         assert [v for _, v in two[key]] == pytest.approx([v for _, v in one[key]], rel=1e-4, abs=1e-6), key
     finals = [next((tmp_path / n / "results" / "checkpoints").glob("*/*/final.ckpt")) for n in ("one", "two")]
     assert_close(weights(finals[1]), weights(finals[0]))
+
+
+def test_a_time_limit_too_short_for_the_warning_and_some_training_is_refused_before_submission(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from sweep.run.slurm import check_time_limit
+
+    check_time_limit(3)  # 90 s before the warning: allowed
+    with pytest.raises(LauncherError) as refused:
+        check_time_limit(2)
+    assert str(refused.value) == (
+        "--time-limit 2: a job is warned 90 s before its limit (--signal=USR2@90) and needs 90 s before "
+        "that to start and train: give TIME_LIMIT=3 minutes or more"
+    )
+    args = ["sweep", "--launcher", "submitit-local", "--workers", "1", "--time-limit", "1"]
+    assert main([*args, "--results", str(tmp_path / "results")]) == 2
+    assert capsys.readouterr().err.startswith("error: --time-limit 1: a job is warned 90 s")
+    assert not (tmp_path / "results").exists()  # nothing submitted, nothing written
+
+
+#: ``scontrol -o show job 7`` as SLURM 22.05 prints it (cut to the fields read, in their order).
+SCONTROL = (
+    "JobId=7 JobName=gated-attn-worker UserId=root(0) JobState={state} Reason={reason} Dependency=(null) "
+    "Requeue=1 Restarts={restarts} BatchFlag=1 Reboot=0 ExitCode={code} RunTime=00:00:06 "
+    "PreemptEligibleTime=2026-12-05T09:19:28 PreemptTime={preempt} SuspendTime=None Partition=batch\n"
+)
+
+
+class FakeSlurm:
+    """Answers ``scontrol -o show job``, ``scontrol show config`` and ``sacct`` from a script of
+    readings: one per poll, the last repeated."""
+
+    def __init__(self, readings: list[dict | None], sacct: str | None = "7|COMPLETED|0:0\n", accounting=True):
+        self.readings, self.sacct, self.accounting, self.calls = readings, sacct, accounting, []
+
+    def __call__(self, command: list[str]):
+        import subprocess
+
+        self.calls.append(command[0])
+        done = lambda out, code=0, err="": subprocess.CompletedProcess(command, code, out, err)  # noqa: E731
+        if command[:3] == ["scontrol", "show", "config"]:
+            kind = "accounting_storage/slurmdbd" if self.accounting else "accounting_storage/none"
+            return done(f"AccountingStorageHost   = localhost\nAccountingStorageType   = {kind}\n")
+        if command[0] == "sacct":
+            return (
+                done(self.sacct) if self.accounting else done("", 1, "Slurm accounting storage is disabled")
+            )
+        reading = self.readings.pop(0) if len(self.readings) > 1 else self.readings[0]
+        if reading == "down":
+            return done("", 1, "slurm_load_jobs error: Socket timed out on send/recv operation")
+        if reading is None:
+            return done("", 1, "slurm_load_jobs error: Invalid job id specified")
+        fields = {"reason": "None", "restarts": 0, "code": "0:0", "preempt": "None", **reading}
+        return done(SCONTROL.format(**fields))
+
+
+def follow(monkeypatch: pytest.MonkeyPatch, fake: FakeSlurm, polls: int = 20) -> tuple[list[str], int]:
+    """Poll a watch of job 7 until it says ended (or ``polls`` run out): its lines, its polls."""
+    monkeypatch.setattr(slurm_jobs, "_run", fake)
+    lines: list[str] = []
+    watch = slurm_jobs.JobWatch(["7"], lines.append)
+    for n in range(1, polls + 1):
+        if watch.poll():
+            lines.append(f"ended {watch.last['7'].describe()}")
+            return lines, n
+    return lines, polls
+
+
+def test_the_driver_follows_a_job_through_its_requeue_until_slurm_says_it_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pre-empted (or ``scontrol requeue``): COMPLETING, then PENDING on its BeginTime, then
+    RUNNING again; only COMPLETED ends it, and the last line is SLURM's."""
+    readings = [
+        {"state": "PENDING", "reason": "Priority"},
+        {"state": "RUNNING"},
+        {"state": "COMPLETING", "restarts": 1},
+        {"state": "PENDING", "reason": "BeginTime", "restarts": 1},
+        "down",  # slurmctld busy: nothing is concluded from a query not answered
+        {"state": "RUNNING", "restarts": 1},
+        {"state": "COMPLETED", "restarts": 1},
+    ]
+    lines, polls = follow(monkeypatch, FakeSlurm(readings))
+    assert polls == 7
+    assert lines == [
+        "job 7: PENDING (Priority)",
+        "job 7: RUNNING",
+        "job 7: requeued (run 2)",
+        "job 7: COMPLETING (requeued 1 time)",
+        "job 7: PENDING (BeginTime, requeued 1 time)",
+        "job 7: RUNNING (requeued 1 time)",
+        "ended COMPLETED (exit 0:0, requeued 1 time), from scontrol",
+    ]
+
+
+def test_a_job_slurmctld_let_go_is_read_from_sacct_and_without_accounting_one_line_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gone = [{"state": "RUNNING"}, None]  # then MinJobAge passed: scontrol forgot it
+    lines, _ = follow(monkeypatch, FakeSlurm(gone, sacct="7|CANCELLED by 0|0:15\n"))
+    assert lines[-1] == "ended CANCELLED (exit 0:15), from sacct"
+    fake = FakeSlurm([{"state": "RUNNING"}, {"state": "RUNNING"}, None], accounting=False)
+    lines, polls = follow(monkeypatch, fake)
+    assert lines == [
+        "SLURM accounting is off on this cluster (AccountingStorageType=accounting_storage/none): job "
+        "states come from scontrol while slurmctld keeps a job (MinJobAge after its end)",
+        "job 7: RUNNING",
+        "ended UNKNOWN",
+    ]
+    assert polls == 3 and "sacct" not in fake.calls  # said once, never asked again
+
+
+def test_a_job_preempted_for_good_ends_once_seen_twice_and_a_requeued_one_does_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import time
+
+    monkeypatch.setattr(time, "sleep", lambda s: None)
+    clock = iter(range(0, 1000, 2))  # two seconds a poll
+    monkeypatch.setattr(slurm_jobs.time, "monotonic", lambda: next(clock))
+    for_good = [{"state": "RUNNING"}, {"state": "PREEMPTED", "code": "0:15"}]
+    lines, polls = follow(monkeypatch, FakeSlurm(for_good))
+    assert polls == 3 and lines[-1] == "ended PREEMPTED (exit 0:15), from scontrol"
+    requeued = [{"state": "RUNNING"}, {"state": "PREEMPTED"}, {"state": "PENDING", "restarts": 1}]
+    lines, polls = follow(monkeypatch, FakeSlurm([*requeued, {"state": "COMPLETED", "restarts": 1}]))
+    assert "job 7: requeued (run 2)" in lines and lines[-1].startswith("ended COMPLETED")
+
+
+def test_a_job_requeues_itself_only_when_preempted_with_a_grace_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    for reading, grace in (
+        ({"state": "RUNNING", "preempt": "2026-12-05T09:08:44"}, True),  # SIGTERM at the grace's start
+        ({"state": "RUNNING"}, False),  # a signal sent by hand
+        ({"state": "COMPLETING", "preempt": "2026-12-05T09:08:44"}, False),  # no grace: SLURM requeues
+        ({"state": "CANCELLED"}, False),  # scancel
+        (None, False),
+        ("down", False),
+    ):
+        monkeypatch.setattr(slurm_jobs, "_run", FakeSlurm([reading]))
+        assert slurm_jobs.preempted_with_grace("7") is grace, reading

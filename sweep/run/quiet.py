@@ -33,5 +33,7 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*to avoid cluttering logs.*")
     warnings.filterwarnings("ignore", ".*GPU available but not used.*")
+    # a SLURM login node, or a job whose worker trains its cell in one process or under torchrun
+    warnings.filterwarnings("ignore", ".*The `srun` command is available on your system but is not used.*")
     warnings.filterwarnings("ignore", ".*isinstance.treespec, LeafSpec.*")
     warnings.filterwarnings("ignore", ".*resuming from a checkpoint that ended before the epoch ended.*")

@@ -114,7 +114,9 @@ def node_commands(job: Path, devices: int, nodes: int, job_id: str = "") -> list
     host = socket.gethostname() if os.environ.get("SLURM_JOB_ID") else "127.0.0.1"
     command = torchrun_command(job, devices, nodes, f"{host}:{free_port()}", job_id)
     if os.environ.get("SLURM_JOB_ID") and shutil.which("srun"):
-        srun = ["srun", "--overlap", f"--nodes={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+        # --overlap: the job's own step holds its CPUs; --mem=0: and its memory, where SLURM tracks it
+        srun = ["srun", "--overlap", "--mem=0", f"--nodes={nodes}", "--ntasks-per-node=1"]
+        srun.append("--kill-on-bad-exit=1")
         return [[*srun, *command]]
     return [command] * nodes
 

@@ -1,4 +1,5 @@
-"""Runs the cells of a grid: skips finished ones, trains the rest, prints progress and a summary."""
+"""One cell of a sweep: the sweep prepared (store, corpora, experiment), the cell's run claimed (a
+new one, or its unfinished one resumed), trained and recorded (:class:`CellResult`)."""
 
 from __future__ import annotations
 
@@ -303,12 +304,3 @@ def train_claimed(cell: Cell, ctx: SweepContext, prefix: str, clock: SweepClock,
         probes += f", gate score {final[N.GATE_SCORE_MEAN]:.3f}"
     out(f"{prefix} done in {outcome.seconds:.0f} s: Avg PPL {outcome.avg_ppl:.2f} ({domains}); {probes}")
     return outcome
-
-
-def summary_line(outcomes: list[CellResult]) -> str:
-    """``finished 12, resumed 1, skipped 0, diverged 0, failed 0``, then ``restarted``, ``busy``,
-    ``killed`` and ``not started`` where some cell had them (in the order of ``Outcome.SUMMARY``).
-    Cells, not rows: two rows of one config (one ``run_key``) count once."""
-    once = list({o.cell.run_key: o for o in reversed(outcomes)}.values())  # the first row's outcome
-    counts = {s: sum(o.status == s for o in once) for s in Outcome.SUMMARY}
-    return ", ".join(f"{k} {v}" for k, v in counts.items() if k not in Outcome.SUMMARY_IF_ANY or v)

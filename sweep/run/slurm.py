@@ -1,23 +1,30 @@
 """Queue workers as cluster jobs: ``make sweep LAUNCHER=slurm WORKERS=N PARTITION=...``.
 
-The driver (:func:`sweep.run.queue.run_queued_sweep`) prepares the store and the corpus and
+The driver (:func:`sweep.run.driver.run_queued_sweep`) prepares the store and the corpus and
 enqueues the cells as for local workers; then, instead of starting N processes, it submits N jobs
 with `submitit <https://github.com/facebookincubator/submitit>`_ (SLURM, or submitit's
 ``LocalExecutor`` with ``--launcher submitit-local``, which runs the same jobs on this machine) and
 waits for them. Each job (:class:`WorkerJob`) runs one ``python -m sweep.cli worker`` in a child
 process, which pops cells from the shared queue until none is left, exactly as a local worker.
 
-Pre-emption and time limits:
+Pre-emption and time limits (docs/cluster.md):
 
-- SLURM pre-empts or cancels a job with SIGTERM, then SIGKILL after its grace time. The worker
-  gets the SIGTERM (SLURM signals every process of the job; the job forwards it too), saves its
+- SLURM cancels a job (``scancel``), requeues it (``scontrol requeue``) or pre-empts it with
+  SIGTERM, then SIGKILL after ``KillWait`` or the partition's grace time. The worker gets the
+  SIGTERM (SLURM signals every process of the job's steps; the job forwards it too), saves its
   cell's training state at the next step, marks the run killed and puts the cell back in the
-  queue. Jobs are submitted with ``--requeue``, so a partition whose PreemptMode is REQUEUE puts
-  a pre-empted job back in line; a cancelled one stays cancelled. Either way another worker, or
-  the requeued job, resumes the cell from its checkpoint.
-- submitit's own signal (SIGUSR2, ``signal_delay_s`` before the time limit, or on pre-emption
-  where a cluster sends it) calls :meth:`WorkerJob.checkpoint`: the worker is stopped the same
-  way, then submitit requeues the job (at most ``max_timeouts`` times for time limits).
+  queue. Jobs are submitted with ``--requeue``: with ``PreemptMode=REQUEUE`` SLURM puts a job
+  pre-empted without a grace time back in line itself; one pre-empted with a grace time, which
+  would end ``COMPLETED`` before SLURM kills it, requeues itself
+  (:func:`~sweep.run.slurm_jobs.preempted_with_grace`). A cancelled job stays cancelled. Another
+  worker, or the requeued job, resumes the cell from its checkpoint.
+- submitit's own signal (``--signal=USR2@90``: 90 s before the time limit, or at pre-emption
+  where the cluster sends a job's signal then, ``preempt_send_user_signal``) calls
+  :meth:`WorkerJob.checkpoint`: the worker is stopped the same way, then submitit requeues the
+  job (at most ``max_timeouts`` times for time limits). ``TIME_LIMIT`` must leave a job
+  :data:`MIN_TRAIN_S` before that signal (:func:`check_time_limit`).
+- The driver follows each job through its requeues until SLURM says it ended
+  (:class:`~sweep.run.slurm_jobs.JobWatch`), then writes the tables.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from sweep.run import slurm_jobs
 from sweep.run.placement import NODES_ENV
 from sweep.signals import child_preexec, die_with_parent, wait_forwarding
 
@@ -44,6 +52,11 @@ LAUNCHERS = ("local", "slurm", "submitit-local")
 #: Environment a job passes on to its worker (besides what the cluster exports).
 CARRIED_ENV = ("MLFLOW_TRACKING_URI", "GATED_ATTN_CACHE", "SWEEP_SYSTEM_METRICS", "HF_HOME")
 POLL_S = 0.5  # how often a job looks at its worker
+#: submitit's warning before a job's time limit (``--signal=USR2@90``, its ``signal_delay_s``).
+SIGNAL_MARGIN_S = 90
+#: The least a job must train before that warning: start-up (imports, the store, the corpus)
+#: and a few steps. A shorter ``TIME_LIMIT`` is refused before anything is submitted.
+MIN_TRAIN_S = 90
 
 _worker: subprocess.Popen | None = None  # the running job's worker (a module global: jobs are pickled)
 
@@ -95,6 +108,9 @@ def make_executor(settings: ClusterSettings) -> Any:
         "tasks_per_node": 1,
         "nodes": 1 if cluster == "local" else settings.nodes,
         "slurm_additional_parameters": {"requeue": True},
+        # --signal=USR2@90: before the time limit, and at pre-emption where the cluster sends it
+        # then (preempt_send_user_signal)
+        "slurm_signal_delay_s": SIGNAL_MARGIN_S,
     }
     if settings.gpus_per_worker > 0:  # none: no --gpus-per-node=0, which some clusters refuse
         params["gpus_per_node"] = settings.gpus_per_worker
@@ -140,6 +156,11 @@ class WorkerJob:
                 signal.signal(sig, handler)
         if code in (130, 143):
             print(f"worker stopped by a signal (status {code}); its cell is back in the queue", flush=True)
+            job_id = os.environ.get("SLURM_JOB_ID")
+            if job_id and slurm_jobs.preempted_with_grace(job_id):
+                # else it ends COMPLETED, its grace time unused, and never runs again
+                took = "requeued" if slurm_jobs.requeue(job_id) else "could not requeue"
+                print(f"pre-empted with a grace time: {took} job {job_id}", flush=True)
         return code
 
     def _stop(self, signum: int = signal.SIGTERM, frame: FrameType | None = None) -> None:
@@ -168,12 +189,13 @@ def _wait_for_worker() -> int:
 
 class SubmititLauncher:
     """Starts the driver's workers as submitit jobs and waits for them (the ``launch`` argument of
-    :func:`sweep.run.queue.run_queued_sweep`)."""
+    :func:`sweep.run.driver.run_queued_sweep`)."""
 
     def __init__(self, settings: ClusterSettings, poll_s: float = 5.0) -> None:
         """Raises:
         LauncherError: see :func:`make_executor` (checked here, before the sweep starts)."""
         self.settings, self.poll_s = settings, poll_s
+        self.on_slurm = settings.launcher == "slurm"
         self.executor = make_executor(settings)
         self.jobs: list[Any] = []
 
@@ -184,33 +206,30 @@ class SubmititLauncher:
         stop: StopRequest,
         out: Callable[[str], None],
         env: dict[str, str],
-    ) -> set[str] | None:
+    ) -> None:
         """Submit ``count`` jobs of ``command`` (their workers get ``env`` added to the environment)
-        and wait until every one has ended. A signal to the driver cancels them (each worker saves
-        its cell). Returns None: the workers' names (host:pid) are the cluster's, so every outcome
-        in the queue counts for this sweep."""
+        and wait until every one has ended, on SLURM through its requeues (a line for each new
+        state), then say how each ended. A signal to the driver cancels them (each worker saves
+        its cell)."""
         carried = {**{k: os.environ[k] for k in CARRIED_ENV if k in os.environ}, **env}
         carried[NODES_ENV] = str(self.settings.nodes)
         job = WorkerJob(command, os.getcwd(), carried)
         self.jobs = [self.executor.submit(job) for _ in range(count)]
         ids = ", ".join(str(j.job_id) for j in self.jobs)
         out(f"submitted {count} {self.settings.launcher} jobs ({ids}); logs in {self.settings.folder}/<job>")
-        cancelled, states = False, {}
-        while not all(j.done() for j in self.jobs):
+        watch = slurm_jobs.JobWatch([str(j.job_id) for j in self.jobs], out) if self.on_slurm else None
+        cancelled = False
+        while not (watch.poll() if watch else all(j.done() for j in self.jobs)):
             if stop.signum is not None and not cancelled:
                 for j in self.jobs:
                     j.cancel(check=False)
                 cancelled = True
-            for j in self.jobs:  # PENDING -> RUNNING and back (requeued): a line each time
-                if states.setdefault(j.job_id, "RUNNING") != j.state and not j.done():
-                    states[j.job_id] = j.state
-                    out(f"job {j.job_id}: {j.state}")
             time.sleep(self.poll_s)
-        for j in self.jobs:
-            if j.state not in ("COMPLETED", "FINISHED"):
-                out(f"job {j.job_id} ended {j.state}; its log: {j.paths.stdout}")
+        for j in self.jobs:  # read after the end: on SLURM as scontrol or sacct reports it
+            state = watch.last[str(j.job_id)] if watch else slurm_jobs.JobState(j.state)
+            log = "" if state.state in ("COMPLETED", "FINISHED") else f"; its log: {j.paths.stdout}"
+            out(f"job {j.job_id} ended {state.describe()}{log}")
         self.jobs = []  # let them go now: submitit's LocalJob fails in __del__ at interpreter exit
-        return None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -230,6 +249,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--time-limit", type=int, default=default.time_limit_min, help="minutes per job (then requeued)"
     )
+
+
+def check_time_limit(minutes: int) -> None:
+    """Refuse a ``TIME_LIMIT`` that leaves a job less than :data:`MIN_TRAIN_S` before submitit's
+    warning, :data:`SIGNAL_MARGIN_S` before the limit: such a job is warned as it starts, and its
+    requeues (three for time limits) run out with its cell hardly begun. The CLI asks first,
+    before anything is written.
+
+    Raises:
+        LauncherError: one line, before anything is submitted.
+    """
+    least = -(-(SIGNAL_MARGIN_S + MIN_TRAIN_S) // 60)
+    if minutes < least:
+        raise LauncherError(
+            f"--time-limit {minutes}: a job is warned {SIGNAL_MARGIN_S} s before its limit (--signal=USR2@"
+            f"{SIGNAL_MARGIN_S}) and needs {MIN_TRAIN_S} s before that to start and train: give "
+            f"TIME_LIMIT={least} minutes or more"
+        )
 
 
 def launcher_for(args: argparse.Namespace, nodes: int = 1) -> SubmititLauncher | None:
