@@ -161,7 +161,10 @@ class CorpusDataModule(pl.LightningDataModule):
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
         sampler = ResumingSampler(len(ds), steps_done * t.batch_size, rank, world, t.batch_size)
         # Rank r's slice of each global batch, in t.grad_accum consecutive micro-batches.
-        return DataLoader(ds, batch_size=t.device_batch, sampler=sampler, num_workers=0, drop_last=True)
+        pinned = torch.cuda.is_available()  # the host-to-device copy then runs beside the step, no wait
+        return DataLoader(
+            ds, batch_size=t.device_batch, sampler=sampler, num_workers=0, drop_last=True, pin_memory=pinned
+        )
 
     def val_dataloader(self) -> list[DataLoader]:
         t = self.train_cfg

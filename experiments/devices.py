@@ -2,10 +2,9 @@
 random generators a checkpoint carries, and the arithmetic a run is tagged with.
 
 On the CPU nothing here changes a number: ``auto`` is fp32, scoring runs in fp32 as it always did,
-and the arithmetic tag is :func:`experiments.numerics.cpu_arithmetic`'s. On CUDA, training runs in
-bf16-mixed (fp16-mixed on a GPU without native bf16, where bf16 would be emulated and flash
-attention off), and so does everything that scores a model (probes, step-0 statistics, long
-context, benchmarks), with TF32 matmuls for what stays in fp32.
+and the arithmetic tag is :func:`experiments.numerics.cpu_arithmetic`'s. On a CUDA GPU with native
+bf16, training runs in bf16-mixed, and so does everything that scores a model (probes, step-0
+statistics, long context, benchmarks); an older GPU trains and scores in fp32.
 """
 
 from __future__ import annotations
@@ -20,13 +19,15 @@ import torch
 
 def auto_precision(requested: str) -> str:
     """Lightning's precision for ``train.precision``: ``auto`` is ``bf16-mixed`` on a CUDA GPU
-    with native bf16 (Ampere and later), ``16-mixed`` on an older one, ``32-true`` on the CPU.
-    Any other value is returned as it is."""
+    with native bf16 (Ampere and later) and ``32-true`` elsewhere: on the CPU, and on an older GPU,
+    where bf16 would be emulated without flash attention, and fp16 would need a loss scale that
+    the fused optimiser's clipping and the divergence checks do not handle. Any other value is
+    returned as it is."""
     if requested != "auto":
         return requested
-    if not torch.cuda.is_available():
-        return "32-true"
-    return "bf16-mixed" if torch.cuda.is_bf16_supported(including_emulation=False) else "16-mixed"
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False):
+        return "bf16-mixed"
+    return "32-true"
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:
@@ -35,21 +36,18 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
 
 
 @contextlib.contextmanager
-def scoring_precision(device: torch.device | str) -> Iterator[None]:
-    """Score a model on ``device`` as it trains there: under ``auto``'s autocast on CUDA, with
-    TF32 for the matmuls left in fp32; unchanged on the CPU (the fp32 numbers every table holds).
-    Reductions (PPL sums, probe statistics) stay in fp32 or fp64: callers cast before summing."""
-    device = torch.device(device)
-    if device.type != "cuda":
+def scoring_precision(device: torch.device | str, precision: str = "auto") -> Iterator[None]:
+    """Score a model on ``device`` in the precision it trains in there (``precision``: the run's
+    ``train.precision`` or Lightning's resolved one): under bf16 autocast for ``bf16-mixed`` on
+    CUDA; unchanged on the CPU (the fp32 numbers every table holds) and for fp32. Matmuls left in
+    fp32 (the router) stay true fp32. Reductions (PPL sums, probe statistics) stay in fp32 or
+    fp64: callers cast before summing."""
+    dtype = autocast_dtype(auto_precision(precision))
+    if torch.device(device).type != "cuda" or dtype is None:
         yield
         return
-    previous = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    try:
-        with torch.autocast("cuda", dtype=autocast_dtype(auto_precision("auto")) or torch.float32):
-            yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
+    with torch.autocast("cuda", dtype=dtype):
+        yield
 
 
 def rng_state() -> dict:

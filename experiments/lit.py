@@ -97,6 +97,8 @@ class LMModule(pl.LightningModule):
         self.loss_ema: float | None = None
         #: Seconds of this fit's first step (with ``train.compile``, mostly compiling); None before it.
         self.first_step_seconds: float | None = None
+        if cfg.train.compile:  # dynamo caches on next_token_loss's code: 8 graphs, then eager for good
+            torch._dynamo.reset()  # so a worker's fifth model would run eager; one cell at a time
         self._compiled = torch.compile(next_token_loss) if cfg.train.compile else None
         self.validations = 0
         self.n_params = count_parameters(self.model)
@@ -161,10 +163,21 @@ class LMModule(pl.LightningModule):
         """Read and check the queued figures (:class:`~experiments.stability.DeferredChecks`), log
         the spikes among them at their steps, and update :attr:`loss_ema`."""
         seen = len(self.spikes.spikes)
-        for _, value in self.checks.check(strict):
-            self.loss_ema = value if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * value
-        for spike_step, value in self.spikes.spikes[seen:]:
-            self._log_at_step({N.SPIKE: value}, spike_step)
+        try:
+            for _, value in self.checks.check(strict):
+                self.loss_ema = value if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * value
+        finally:  # the spikes before a divergence are data too
+            for spike_step, value in self.spikes.spikes[seen:]:
+                self._log_at_step({N.SPIKE: value}, spike_step)
+
+    def check_now(self) -> None:
+        """Read and check every queued figure now (the checkpoint callbacks call it before they
+        flush the logger, so a checkpoint never holds a spike the store lacks).
+
+        Raises:
+            experiments.stability.Diverged: a queued loss or gradient norm diverged.
+        """
+        self._check()
 
     def flush_checks(self) -> None:
         """Feed every figure still queued to the spike detector, without raising (a fit that
@@ -196,12 +209,12 @@ class LMModule(pl.LightningModule):
         for m in self.model.modules():  # before any compiled forward: the path is fixed in the graph
             if isinstance(m, MoEFFN) and m.experts_path is None:
                 choose_experts_path(m, self.device, dtype)
-        looped = [p for p in self.experts_paths() if p.startswith("looped")]
-        if looped and self.trainer.is_global_zero:  # slower, never silent (and the run's moe_experts tag)
-            print(f"note: the MoE experts run one expert at a time ({looped[0]})", flush=True)
+        slow = [p for p in self.experts_paths() if p.startswith("looped") or "fallback" in p]
+        if slow and self.trainer.is_global_zero:  # slower, never silent (and the run's moe_experts tag)
+            print(f"note: the MoE experts run one expert at a time ({slow[0]})", flush=True)
         if self.global_step == 0 and self.probe_tokens is not None and self.logger is not None:
             tokens = self.probe_tokens[:INIT_PROBE_SEQS].to(self.device)
-            with scoring_precision(self.device):  # on every rank: a MoE forward all-reduces
+            with scoring_precision(self.device, str(self.trainer.precision)):  # every rank: MoE all-reduces
                 stats = init_statistics(self.model, tokens)
             if stats:
                 self._log_at_step(stats)
@@ -253,8 +266,9 @@ class LMModule(pl.LightningModule):
             params = [p for p in self.model.parameters() if p.grad is not None]
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip or math.inf)
         inner = getattr(optimizer, "_optimizer", optimizer)
-        skips_on_device = inner.defaults.get("fused") and self.trainer.precision != "16-mixed"
-        if skips_on_device:  # fp16's grad scaler sets found_inf itself
+        scaled = str(self.trainer.precision) in ("16-mixed", "16")  # fp16's grad scaler sets found_inf
+        skips_on_device = inner.defaults.get("fused") and not scaled
+        if skips_on_device:  # (fp16 is never auto's choice)
             inner.found_inf = (~torch.isfinite(grad_norm)).float()
         self.checks.add_grad_norm(self.global_step, grad_norm)
         if not skips_on_device or self._check_due():  # the step would write non-finite weights
@@ -263,6 +277,7 @@ class LMModule(pl.LightningModule):
 
     def on_validation_epoch_start(self) -> None:
         self._check()  # the figures of the steps before this validation, in step order
+        self._window = None  # a tokens/s window never spans a validation
         self._nll_sum.zero_()
         self._tok_count.zero_()
         self._val_nll = [[] for _ in self.domains]
@@ -302,7 +317,8 @@ class LMModule(pl.LightningModule):
     def probe(self) -> ProbeResult:
         """Run the probes on the probe batch (see ``experiments.probes``), under
         :func:`~experiments.devices.scoring_precision` on the model's device."""
-        with scoring_precision(self.device):
+        precision = str(self.trainer.precision) if self._trainer is not None else self.cfg.train.precision
+        with scoring_precision(self.device, precision):
             return run_probes(self.model, self.probe_tokens, seed=self.cfg.seed)
 
     def on_train_end(self) -> None:

@@ -259,7 +259,19 @@ def choose_experts_path(moe: MoEFFN, device: torch.device, dtype: torch.dtype) -
     problem = grouped_mm_problem(device, dtype, d, f) if moe.use_grouped_mm else "turned off (use_grouped_mm)"
     moe.use_grouped_mm = not problem
     moe.experts_path = "grouped_mm" if not problem else f"looped: {problem}"
+    if not problem and device.type == "cuda":
+        moe.experts_path += _cuda_kernel_note(dtype)
     return moe.experts_path
+
+
+def _cuda_kernel_note(dtype: torch.dtype) -> str:
+    """torch runs ``grouped_mm``'s one-kernel path for bf16 on Hopper and Blackwell (sm_90,
+    sm_100) only; elsewhere its own fallback loops over the groups, reading the offsets on the
+    host: correct (checked), but a host sync and a kernel per expert, so the run says so."""
+    major, minor = torch.cuda.get_device_capability()
+    if dtype == torch.bfloat16 and (major, minor) in ((9, 0), (10, 0)):
+        return ""
+    return f" (torch's per-group fallback loop on sm_{major}{minor} in {str(dtype).removeprefix('torch.')})"
 
 
 def router_stats(model: nn.Module) -> list[RouterStats]:

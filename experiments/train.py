@@ -128,7 +128,9 @@ class Training:
         """Train to ``train.max_steps``, from step 0 or from a ``step<N>.ckpt`` training state.
 
         Raises:
-            experiments.stability.Diverged: the loss or the gradient diverged; no step was taken on it.
+            experiments.stability.Diverged: the loss or the gradient diverged (read at the next check,
+                every ``train.log_every`` steps: at 1, before any step was taken on it; a
+                non-finite gradient's update is always skipped). The last checkpoint predates it.
         """
         self.trainer.fit(self.module, datamodule=self.datamodule, ckpt_path=resume_from, weights_only=False)
 

@@ -46,8 +46,8 @@ class TrainConfig:
     log_every: int = 1
     """Log training metrics every N steps."""
     precision: Literal["auto", "32-true", "bf16-mixed"] = "auto"
-    """``auto``: bf16-mixed on a CUDA GPU with native bf16 (fp16-mixed on an older one), fp32 on
-    CPU (``experiments.devices.auto_precision``)."""
+    """``auto``: bf16-mixed on a CUDA GPU with native bf16, fp32 on an older GPU and on the CPU
+    (``experiments.devices.auto_precision``)."""
     compile: bool = False
     """Train and validate through ``torch.compile`` (the model and its loss as one graph, no graph
     breaks in bf16 or fp32). On at the GPU scales; off at the CPU scales, where compiling costs

@@ -14,15 +14,32 @@ import pytest
 
 
 def selects_gpu_tests(markexpr: str) -> bool:
-    """Whether a ``-m`` expression asks for the ``gpu`` tests (``gpu``, ``gpu and not slow``), as
-    opposed to excluding them or not naming them."""
-    words = markexpr.replace("(", " ").replace(")", " ").split()
-    return any(w == "gpu" and (i == 0 or words[i - 1] != "not") for i, w in enumerate(words))
+    """Whether a ``-m`` expression selects the ``gpu`` tests (marked ``gpu`` alone, as they all
+    are), evaluated as pytest evaluates it: ``gpu``, ``gpu or slow`` do; ``not gpu``,
+    ``not (slow or gpu)``, ``slow`` and none do not."""
+    if not markexpr.strip():
+        return False
+    from _pytest.mark.expression import Expression
+
+    expression = Expression.compile(markexpr)
+    return expression.evaluate(lambda name, **kw: name == "gpu")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     if not selects_gpu_tests(config.getoption("markexpr", "") or ""):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything initialises CUDA; children inherit it
+
+
+@pytest.fixture(autouse=True)
+def _cpu_unless_gpu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a session that selects GPU tests beside others (``-m "gpu or slow"``), every test not
+    marked ``gpu`` still runs on the CPU, and so do the processes it starts."""
+    if request.node.get_closest_marker("gpu") is None and os.environ.get("CUDA_VISIBLE_DEVICES") != "":
+        import torch
+
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -11,8 +11,8 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from experiments.config import GateConfig, ModelConfig, MoEConfig
-from experiments.lit import next_token_loss
+from experiments.config import DataConfig, GateConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig
+from experiments.lit import LMModule, next_token_loss
 from experiments.model import GatedLM
 from experiments.train import Training
 from sweep.grid import load_grid
@@ -45,6 +45,25 @@ def test_the_loss_compiles_without_a_graph_break(gate: str, moe: bool, dtype: to
         explained = torch._dynamo.explain(next_token_loss)(model, batch)
     assert explained.graph_break_count == 0, [str(r.reason) for r in explained.break_reasons]
     assert explained.graph_count == 1
+
+
+def test_each_compiled_cell_starts_with_an_empty_compile_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dynamo keeps ``next_token_loss``'s graphs on its code object, across modules, and runs it
+    eager for good past 8 of them: a worker training a sixth model would not be compiled."""
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend="eager", **kw))
+    batch = torch.randint(0, 256, (2, 17))
+    code = next_token_loss.__code__
+    for width in (16, 24, 32, 40, 48, 56):
+        model = dataclasses.replace(_model(None, False).cfg, d_model=width, vocab_size=512)
+        train = TrainConfig(max_steps=4, warmup_steps=1, batch_size=2, seq_len=16, val_tokens=64)
+        train = dataclasses.replace(train, compile=True)
+        module = LMModule(RunConfig(model=model, train=train, data=DataConfig(vocab_size=512)), ["x"])
+        module.loss(batch)
+        module.eval()
+        with torch.no_grad():
+            module.loss(batch, reduction="sum")
+        assert len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code)) == 2  # this model's alone
 
 
 def _cell(tmp_path: Path, row: str, **train: object):

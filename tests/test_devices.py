@@ -74,3 +74,13 @@ def test_a_gpu_run_is_tagged_with_the_gpu_arithmetic(monkeypatch: pytest.MonkeyP
     assert "cpu_arith" not in tags and tags["gpu_arith"] == "cuda 12.8, sm_90"
     tags |= {N.PRECISION_TAG: "bf16-mixed"}
     assert arithmetic(tags).startswith("NVIDIA H100 80GB HBM3 (cuda 12.8, sm_90, bf16-mixed), ")
+
+
+def test_only_sessions_that_select_gpu_tests_see_cuda() -> None:
+    """tests/conftest.py hides CUDA unless the ``-m`` expression selects the ``gpu`` tests."""
+    from tests.conftest import selects_gpu_tests
+
+    for expression in ("gpu", "gpu or slow", "gpu and not slow"):
+        assert selects_gpu_tests(expression), expression
+    for expression in ("", "not gpu", "not slow and not gpu", "not (slow or gpu)", "slow"):
+        assert not selects_gpu_tests(expression), expression

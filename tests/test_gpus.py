@@ -67,3 +67,29 @@ def test_start_processes_gives_each_worker_its_environment(monkeypatch: pytest.M
     with StopRequest() as stop:
         driver.start_processes(["x"], 4, stop, print, {}, worker_environments(4, 1, 2, ["0", "1"]))
     assert seen == ["0", "1", "0", "1"]
+
+
+def test_a_sweep_on_a_two_gpu_machine_starts_its_workers_on_their_gpus(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """``make sweep CELLS_PER_GPU=2`` on a machine showing GPUs 0 and 1: four workers, spread
+    over the two, through the CLI and the driver (the workers themselves are not started)."""
+    from sweep.cli import main
+    from sweep.run import driver
+    from tests.support import MICRO, use_repo_cache, write_grid
+
+    use_repo_cache(monkeypatch)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    seen: dict = {}
+
+    def start(command, count, stop, out, env, each=None):  # noqa: ANN001
+        seen.update(count=count, each=each)
+        return set()
+
+    monkeypatch.setattr(driver, "start_processes", start)
+    grid = write_grid(tmp_path, MICRO)
+    main(["sweep", "--grid", str(grid), "--results", str(tmp_path / "results"), "--workers", "auto",
+          "--cells-per-gpu", "2"])  # fmt: skip
+    assert "for 4 workers" in capsys.readouterr().out
+    assert seen["count"] == 4
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in seen["each"]] == ["0", "1", "0", "1"]

@@ -29,11 +29,16 @@ def _config(tmp_path: Path, row: str, **train: object):
     return dataclasses.replace(cell.config, train=t)
 
 
-@pytest.mark.parametrize("row", ["sdpa_elementwise", "moe"])
-def test_no_host_sync_between_checks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, row: str) -> None:
+@pytest.mark.parametrize(
+    "row, precision", [("sdpa_elementwise", "32-true"), ("moe", "32-true"), ("moe", "bf16-mixed")]
+)
+def test_no_host_sync_between_checks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, row: str, precision: str
+) -> None:
     use_repo_cache(monkeypatch)
     counter = StepSyncs()
-    run = Training(_config(tmp_path, row), logger=CSVLogger(tmp_path / "logs"), callbacks=[counter])
+    cfg = _config(tmp_path, row, precision=precision)  # bf16-mixed: CPU autocast, as a GPU trains
+    run = Training(cfg, logger=CSVLogger(tmp_path / "logs"), callbacks=[counter])
     run.fit()
     checks = {s for s in range(STEPS) if (s + 1) % LOG_EVERY == 0}
     steady = counter.steady(LOG_EVERY)
@@ -51,10 +56,14 @@ def test_the_counter_sees_each_kind_of_sync() -> None:
         float(t.sum()), t.tolist(), torch.bincount(t.long()), t.nonzero(), t.repeat_interleave(t.long())
         t.repeat_interleave(2)  # an int count: sized by the shapes, no sync
         torch.zeros(3).scatter_add_(0, torch.tensor([0, 2, 2]), torch.ones(3))  # the MoE's counts
+        t[t > 2]  # a boolean mask: a nonzero inside
+        t.to("meta")  # a copy off the host (the meta device stands in for a GPU)
     assert syncs.counts == {
         "aten._local_scalar_dense": 1,
         "Tensor.tolist": 1,
         "aten.bincount": 1,
         "aten.nonzero": 1,
         "aten.repeat_interleave(tensor repeats)": 1,
+        "aten.index(boolean mask)": 1,
+        "aten._to_copy(host <-> device)": 1,
     }

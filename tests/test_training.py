@@ -70,7 +70,7 @@ def test_precision_is_chosen_by_the_device(monkeypatch: pytest.MonkeyPatch) -> N
     assert auto_precision("auto") == "bf16-mixed"
     # a GPU without native bf16 (V100, T4): emulated bf16 would run without flash attention
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
-    assert auto_precision("auto") == "16-mixed"
+    assert auto_precision("auto") == "32-true"
     assert auto_precision("32-true") == "32-true"  # an explicit choice wins
 
 

@@ -8,10 +8,13 @@ import dataclasses
 import os
 import resource
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
@@ -48,10 +51,41 @@ def offline_cell(row: str, scale: str, steps: int, compile: bool | None = None) 
     return dataclasses.replace(cfg, data=data, train=train)
 
 
-def _peak_gib() -> float:
+def _peak_gib() -> tuple[float, float]:
+    """(allocated, reserved) peak GiB on CUDA (the caching allocator's reserve is what another
+    process cannot have); the process's peak RSS twice on a CPU."""
     if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # the process's RSS (KiB)
+        return torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB
+    return rss, rss
+
+
+class CheckClock(pl.Callback):
+    """The wall clock at each check (every ``log_every`` steps, after the device's queue)."""
+
+    def __init__(self, every: int) -> None:
+        self.every, self.points = every, []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step % self.every == 0:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.points.append((time.time(), trainer.global_step))
+
+
+def overlap_tokens_per_s(cells: list[dict[str, Any]]) -> tuple[float, float]:
+    """Tokens/s of cells that trained at once, over the span all of them were past their first
+    window, and that span's seconds; each cell's steps in it interpolated from its clock. NaN and
+    0 s when they never trained at once (too few ``--steps``)."""
+    start = max(c["clock"][1][0] for c in cells)  # each one's first window is its start-up
+    end = min(c["clock"][-1][0] for c in cells)
+    if end <= start:  # a finding, not a failure: the report says so
+        return float("nan"), 0.0
+    steps = sum(
+        (np.interp(end, *zip(*c["clock"])) - np.interp(start, *zip(*c["clock"]))) * c["tokens_per_step"]
+        for c in cells
+    )
+    return float(steps) / (end - start), end - start
 
 
 def cell_speed(cfg: RunConfig, callbacks: list[Any] = ()) -> dict[str, float]:
@@ -60,8 +94,9 @@ def cell_speed(cfg: RunConfig, callbacks: list[Any] = ()) -> dict[str, float]:
     a CPU), first step's seconds and final Avg PPL."""
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    clock = CheckClock(cfg.train.log_every)
     with tempfile.TemporaryDirectory() as tmp:
-        run = Training(cfg, _cache(), logger=CSVLogger(tmp), callbacks=list(callbacks))
+        run = Training(cfg, _cache(), logger=CSVLogger(tmp), callbacks=[*callbacks, clock])
         run.fit()
         final = run.finish()
         lines = (Path(tmp) / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()
@@ -69,9 +104,13 @@ def cell_speed(cfg: RunConfig, callbacks: list[Any] = ()) -> dict[str, float]:
     col = header.index(N.TRAIN_TOKENS_PER_S)
     speeds = [float(r.split(",")[col]) for r in lines[1:] if r.split(",")[col]]
     steady = speeds[1:] or speeds
+    allocated, reserved = _peak_gib()
     return {
         "tokens_per_s": sum(steady) / len(steady),
-        "peak_gib": _peak_gib(),
+        "peak_gib": allocated,
+        "reserved_gib": reserved,
+        "clock": clock.points,
+        "tokens_per_step": cfg.train.batch_size * cfg.train.seq_len,
         "first_step_s": run.module.first_step_seconds or 0.0,
         "avg_ppl": final[N.VAL_PPL_AVG],
         "experts": "; ".join(run.experts_paths()),

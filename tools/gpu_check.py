@@ -19,10 +19,12 @@ line per check and writes them, with a table of figures, to one report (``--repo
 
 MFU counts 6 FLOPs per active parameter per token plus attention's ``12 * L * H * D * T``
 (forward and backward, causal attention counted in full, as PaLM does) against the GPU's dense
-bf16 peak (``GPU_PEAK_TFLOPS`` overrides the table). It needs torch and Lightning, not MLflow or
-Optuna (a GPU image without network has the first two). ``--dry-run`` runs every check on the CPU
-at ``tiny`` with a few steps and CPU autocast for the bf16 paths, so the script cannot rot
-between GPU sessions (``tests/test_gpu_check.py``).
+bf16 peak (``GPU_PEAK_TFLOPS`` overrides the table). It needs torch, Lightning, HF ``tokenizers``,
+PyYAML and pytest, not MLflow, Optuna or lm-eval (a GPU image without network has the first
+ones). The report is rewritten after every check, so a run stopped at its time limit keeps what
+it found; ``--skip`` leaves checks out. ``--dry-run`` runs every check but the GPU tests on the CPU
+at ``tiny`` with a few steps, CUDA hidden, CPU autocast for the bf16 paths, so the script cannot
+rot between GPU sessions (``tests/test_gpu_check.py``).
 """
 
 from __future__ import annotations
@@ -42,7 +44,6 @@ from experiments.config import RunConfig
 from experiments.experts import expert_counts, group_align, grouped_swiglu, looped_swiglu
 from experiments.moe import MoEFFN, choose_experts_path
 from sweep.run.quiet import quiet_lightning
-from tools.gpu_cells import cell_speed, micro_syncs, offline_cell
 
 #: Dense bf16 peak TFLOP/s by device-name fragment (vendor data sheets, SXM parts).
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.1, "A10G": 70.0, "4090": 165.2}
@@ -72,12 +73,16 @@ def flops_per_token(cfg: RunConfig) -> float:
 class Report:
     """The check lines and the figures table, printed as they come and written at the end."""
 
-    def __init__(self, header: str) -> None:
-        self.lines, self.figures = [header], [("figure", "value")]
+    def __init__(self, header: str, path: Path, skip: set[str]) -> None:
+        self.lines, self.figures, self.path, self.skip = [header], [("figure", "value")], path, skip
         print(header, flush=True)
 
     def check(self, name: str, fn: Callable[[], str]) -> bool:
-        """Run one check; print ``ok``/``FAIL`` with what it found and its seconds."""
+        """Run one check (unless ``--skip`` names it); print ``ok``/``FAIL`` with what it found and
+        its seconds; rewrite the report."""
+        if name in self.skip:
+            self.lines.append(f"[skipped] {name}")
+            return True
         start = time.perf_counter()
         try:
             detail, ok = fn(), True
@@ -86,17 +91,18 @@ class Report:
         line = f"[{'ok' if ok else 'FAIL'}] {name} ({time.perf_counter() - start:.0f} s): {detail}"
         print(line, flush=True)
         self.lines.append(line)
+        self.write()
         return ok
 
     def figure(self, name: str, value: str) -> None:
         self.figures.append((name, value))
 
-    def write(self, path: Path) -> None:
+    def write(self) -> None:
         table = [f"| {a} | {b} |" for a, b in self.figures]
         table.insert(1, "|---|---|")
         text = "\n".join(["# make gpu-check", "", *[f"- {line}" for line in self.lines], "", *table, ""])
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(text)
 
 
 def gpu_tests() -> str:
@@ -107,7 +113,7 @@ def gpu_tests() -> str:
     )
     last = (done.stdout.strip().splitlines() or ["no output"])[-1]
     if done.returncode not in (0, 5):  # 5: no test collected
-        raise RuntimeError(last)
+        raise RuntimeError(f"{last} {done.stderr.strip()[-300:]}")
     return last
 
 
@@ -126,22 +132,14 @@ def expert_kernels(device: str, report: Report) -> str:
     grouped = flat.repeat_interleave(8, dim=0).index_select(0, order)
     scale = torch.rand(grouped.shape[0], 1, device=device)
     out = []
+    layer = (counts, scale, moe.w_gate_up, moe.w_down, sorted_experts)
     for dtype in (torch.bfloat16, torch.float32):
         results, seconds = [], []
         for path in ("grouped", "loop"):
-            tensors = (grouped, moe.w_gate_up, moe.w_down)
-            leaves = [t.detach().to(dtype).clone().requires_grad_() for t in tensors]
-            start = time.perf_counter()
-            if path == "grouped":
-                y = grouped_swiglu(leaves[0], counts, scale.to(dtype), leaves[1], leaves[2], sorted_experts,
-                                   group_align(torch.device(device)))  # fmt: skip
-            else:
-                y = looped_swiglu(leaves[0], counts, scale.to(dtype), leaves[1], leaves[2])
-            y.float().square().mean().backward()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            seconds.append(time.perf_counter() - start)
-            results.append([y.detach().float(), *(t.grad.float() for t in leaves)])
+            _experts_once(path, grouped, layer, dtype, device)  # a warm-up: kernels load, memory settles
+            took, result = _experts_once(path, grouped, layer, dtype, device)
+            seconds.append(took)
+            results.append(result)
         worst = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(*results))
         tolerance = 3e-2 if dtype == torch.bfloat16 else 1e-4
         if not worst <= tolerance:
@@ -153,6 +151,26 @@ def expert_kernels(device: str, report: Report) -> str:
     path = choose_experts_path(moe, torch.device(device), torch.bfloat16)
     report.figure("experts path (bf16)", path)
     return f"path {path}; grouped equals the loop forward and backward: {', '.join(out)}"
+
+
+def _experts_once(
+    path: str, grouped: torch.Tensor, layer: tuple, dtype: torch.dtype, device: str
+) -> tuple[float, list[torch.Tensor]]:
+    """One forward and backward of the experts by ``path``: its seconds, its output and gradients."""
+    counts, scale, w_gate_up, w_down, sorted_experts = layer
+    leaves = [t.detach().to(dtype).clone().requires_grad_() for t in (grouped, w_gate_up, w_down)]
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    if path == "grouped":
+        align = group_align(torch.device(device))
+        y = grouped_swiglu(leaves[0], counts, scale.to(dtype), leaves[1], leaves[2], sorted_experts, align)
+    else:
+        y = looped_swiglu(leaves[0], counts, scale.to(dtype), leaves[1], leaves[2])
+    y.float().square().mean().backward()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, [y.detach().float(), *(t.grad.float() for t in leaves)]
 
 
 def routing(device: str, report: Report) -> str:
@@ -177,9 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="CPU, scale tiny, a few steps: check the script")
     p.add_argument("--steps", type=int, default=None, help="steps per small cell (default 200; dry run 6)")
     p.add_argument("--report", default="results/gpu_check.md", help="the report file (markdown)")
+    p.add_argument("--skip", default="", help="comma-separated check names to leave out")
     p.add_argument("--cell", default=None, help=argparse.SUPPRESS)  # one packed cell: row,scale,steps,json
     args = p.parse_args(argv)
+    if args.dry_run:  # the CPU, even on a GPU machine: the script's check, not the GPU's
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     quiet_lightning()
+    from tools.gpu_cells import cell_speed, micro_syncs, offline_cell, speed_lines
+
     if args.cell:
         row, scale, steps, out = args.cell.split(",")
         Path(out).write_text(json.dumps(cell_speed(offline_cell(row, scale, int(steps)))))
@@ -190,9 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     device = "cpu" if args.dry_run else "cuda"
     scale, steps = ("tiny", args.steps or 6) if args.dry_run else ("small", args.steps or 200)
     where = "CPU (dry run, CPU autocast for bf16)" if args.dry_run else torch.cuda.get_device_name()
-    report = Report(f"gpu-check on {where}, torch {torch.__version__}, CUDA {torch.version.cuda}")
-    from tools.gpu_cells import speed_lines
-
+    header = f"gpu-check on {where}, torch {torch.__version__}, CUDA {torch.version.cuda}"
+    report = Report(header, Path(args.report), {s for s in args.skip.split(",") if s})
     peak = peak_flops()
     results = [
         args.dry_run or report.check("GPU tests", gpu_tests),
@@ -202,15 +224,17 @@ def main(argv: list[str] | None = None) -> int:
         report.check(f"{scale}, one cell", lambda: speed_lines(scale, steps, report, peak, flops_per_token)),
         report.check("packing cells on one GPU", lambda: packing(scale, steps, report, args.dry_run)),
     ]
-    report.write(Path(args.report))
     print(f"report: {args.report}")
     return 0 if all(results) else 1
 
 
 def packing(scale: str, steps: int, report: Report, dry_run: bool) -> str:
     """2 and 3 baseline cells at once, each in its own process (as CELLS_PER_GPU workers are);
-    only 2 in a dry run."""
+    only 2 in a dry run. Tokens/s over the time all of them trained at once, past each one's first
+    window (start-up, compiling): their checks' clocks give each one's steps in that span."""
     import tempfile
+
+    from tools.gpu_cells import overlap_tokens_per_s
 
     lines, command = [], [sys.executable, "-m", "tools.gpu_check", "--cell"]
     for count in (2,) if dry_run else (2, 3):
@@ -220,11 +244,12 @@ def packing(scale: str, steps: int, report: Report, dry_run: bool) -> str:
             if any(proc.wait() != 0 for proc in procs):
                 raise RuntimeError(f"a packed cell failed ({count} at once)")
             cells = [json.loads(o.read_text()) for o in outs]
-        total = sum(c["tokens_per_s"] for c in cells)
+        total, seconds = overlap_tokens_per_s(cells)
         peak = max(c["peak_gib"] for c in cells)
-        what = f"{count} baseline cells on one GPU: tokens/s summed, peak GiB each"
-        report.figure(what, f"{total:,.0f}, {peak:.1f}")
-        lines.append(f"{count} cells {total:,.0f} tok/s (peak {peak:.1f} GiB each)")
+        reserved = max(c["reserved_gib"] for c in cells)
+        what = f"{count} baseline cells on one GPU: tokens/s together ({seconds:.0f} s), peak GiB each"
+        report.figure(what, f"{total:,.0f}, {peak:.1f} allocated, {reserved:.1f} reserved")
+        lines.append(f"{count} cells {total:,.0f} tok/s over {seconds:.0f} s together, {peak:.1f} GiB each")
     return "; ".join(lines)
 
 

@@ -10,6 +10,7 @@ step's steady state at zero, and ``make gpu-check`` counts them on the GPU.
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from typing import Any
 
@@ -37,10 +38,26 @@ SYNC_OPS = frozenset(
 HOST_READS = ("tolist", "numpy")
 
 
+def _bool_index(args: tuple) -> bool:
+    indices = args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
+
+
+def _crosses_host(args: tuple, kwargs: dict) -> bool:
+    """A copy between the CPU and another device (a blocking one from pageable memory)."""
+    tensors = [a for a in args[:2] if isinstance(a, torch.Tensor)]
+    devices = {t.device.type for t in tensors}
+    if kwargs.get("device") is not None:
+        devices.add(torch.device(kwargs["device"]).type)
+    return "cpu" in devices and len(devices) > 1
+
+
 class HostSyncCounter(TorchDispatchMode):
     """``with HostSyncCounter() as syncs: ...`` then ``syncs.counts`` (a Counter of op names) and
     ``syncs.total``. Counts the dispatcher's :data:`SYNC_OPS`, ``repeat_interleave`` by a tensor
-    with no ``output_size``, and the Python-level :data:`HOST_READS` of any tensor."""
+    with no ``output_size``, indexing by a boolean mask (a ``nonzero`` inside), copies between the
+    host and a device, and the Python-level :data:`HOST_READS` of any tensor. On a GPU,
+    :class:`StepSyncs` adds what CUDA's own sync debug mode reports."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -60,6 +77,10 @@ class HostSyncCounter(TorchDispatchMode):
         elif name == "aten.repeat_interleave" and isinstance(args[0], torch.Tensor):
             if kwargs.get("output_size") is None and (len(args) < 4 or args[3] is None):
                 self.counts["aten.repeat_interleave(tensor repeats)"] += 1
+        elif name in ("aten.index", "aten.index_put", "aten.index_put_") and _bool_index(args):
+            self.counts[f"{name}(boolean mask)"] += 1
+        elif name in ("aten._to_copy", "aten.copy_") and _crosses_host(args, kwargs):
+            self.counts[f"{name}(host <-> device)"] += 1
         return func(*args, **kwargs)
 
     def __enter__(self) -> HostSyncCounter:
@@ -91,16 +112,29 @@ class StepSyncs(pl.Callback):
     def __init__(self) -> None:
         self.steps: dict[int, dict[str, int]] = {}
         self._mode: HostSyncCounter | None = None
+        self._caught: list | None = None
         self._step = -1
 
     def _close(self) -> None:
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
-            self.steps[self._step] = dict(self._mode.counts)
-            self._mode = None
+            counts = dict(self._mode.counts)
+            if self._caught is not None:  # CUDA's own count: every synchronising call it saw
+                torch.cuda.set_sync_debug_mode(0)
+                seen = sum("synchroniz" in str(w.message) for w in self._caught)
+                self._warnings.__exit__(None, None, None)
+                if seen:
+                    counts["cuda sync debug mode"] = seen
+            self.steps[self._step] = counts
+            self._mode, self._caught = None, None
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._close()
+        if torch.cuda.is_available():
+            self._warnings = warnings.catch_warnings(record=True)
+            self._caught = self._warnings.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode(1)  # warn at each synchronising CUDA call
         self._step, self._mode = trainer.global_step, HostSyncCounter().__enter__()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:

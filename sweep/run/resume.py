@@ -207,4 +207,6 @@ class FlushBeforeCheckpoint(pl.Callback):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict
     ) -> None:
+        if hasattr(pl_module, "check_now"):  # the queued checks first: their spikes join the flush
+            pl_module.check_now()
         self.logger.flush()
