@@ -220,7 +220,7 @@ bench bench-moe: throughput
 
 # on a lent GPU, in minutes: kernel parity, routing, host syncs, small's tokens/s, MFU and memory,
 # cells packed on one GPU; one report, results/gpu_check.md (tools/gpu_check.py). A machine without
-# network: `make gpu-check GPU_PY=python3` (torch and Lightning suffice). DRY_RUN=1: on the CPU.
+# network: `make gpu-check GPU_PY=python3` (torch, Lightning, tokenizers, PyYAML, pytest). DRY_RUN=1: the CPU.
 gpu-check: $(if $(GPU_PY),,$(STAMP))
 	$(or $(GPU_PY),$(PY)) -m tools.gpu_check $(if $(DRY_RUN),--dry-run)
 
