@@ -266,8 +266,8 @@ class LMModule(pl.LightningModule):
             params = [p for p in self.model.parameters() if p.grad is not None]
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip or math.inf)
         inner = getattr(optimizer, "_optimizer", optimizer)
-        scaled = str(self.trainer.precision) in ("16-mixed", "16")  # fp16's grad scaler sets found_inf
-        skips_on_device = inner.defaults.get("fused") and not scaled
+        fused = bool(inner.defaults.get("fused"))  # fp16's grad scaler sets found_inf itself:
+        skips_on_device = fused and str(self.trainer.precision) not in ("16-mixed", "16")
         if skips_on_device:  # (fp16 is never auto's choice)
             inner.found_inf = (~torch.isfinite(grad_norm)).float()
         self.checks.add_grad_norm(self.global_step, grad_norm)
