@@ -47,7 +47,9 @@ def init_statistics(model: GatedLM, tokens: torch.Tensor) -> dict[str, float]:
             h.remove()
     ratios, stds = [], []
     try:
-        for block, a, x in zip(model.blocks, attns, inputs):  # each layer on its own input, gated and bypassed
+        for block, a, x in zip(
+            model.blocks, attns, inputs
+        ):  # each layer on its own input, gated and bypassed
             with gathered(block):  # a sharded block's weights, whole for calls past its forward
                 gated = a(x, model.rope)
                 a.gate.bypass = True

@@ -97,8 +97,9 @@ class LMModule(pl.LightningModule):
         sharded = cfg.train.strategy == "fsdp"
         #: Under FSDP, until configure_model: the generator state a CPU build would start from,
         #: and how that build initialises each parameter (experiments.meta_init).
-        self._init_rng = torch.get_rng_state() if sharded else None
+        self._init_rng = self._init_plan = None
         if sharded:
+            self._init_rng = torch.get_rng_state()
             self.model, self._init_plan = record_build(lambda: GatedLM(cfg.model))
         else:
             self.model, self._init_plan = GatedLM(cfg.model), None
@@ -139,7 +140,9 @@ class LMModule(pl.LightningModule):
         if t.activation_checkpointing:
             checkpoint_blocks(self.model)
         device, mesh = self.trainer.strategy.root_device, self.device_mesh["data_parallel"]
-        shard_model(self.model, mesh, self.trainer.precision, self._init_plan, self._init_rng, device, t.compile)
+        shard_model(
+            self.model, mesh, self.trainer.precision, self._init_plan, self._init_rng, device, t.compile
+        )
         self._init_plan = None
         if self.start_weights is not None:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict

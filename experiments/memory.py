@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from experiments.config import ModelConfig, RunConfig, TrainConfig
+from experiments.model import GatedLM
 
 GIB = 2**30
 RUNTIME_GIB = 2.0  # CUDA context and NCCL buffers: an allowance
@@ -107,11 +108,11 @@ def memory_problem(cfg: RunConfig) -> str:
     plan = memory_plan(cfg)
     if plan.total <= USABLE * budget:
         return ""
-    hint = "" if plan.checkpointing else ", or train.activation_checkpointing: true"
+    t, hint = cfg.train, "" if plan.checkpointing else ", train.activation_checkpointing: true"
     return (
-        f"needs {plan.total:.1f} GiB a GPU under {plan.strategy} ({plan.precision}, {cfg.train.device_batch} x "
-        f"{cfg.train.seq_len} tokens a micro-batch), over {USABLE:.0%} of {budget:g} GiB: fewer sequences a "
-        f"micro-batch (train.grad_accum), more GPUs (train.devices, num_nodes){hint} (make memory)"
+        f"needs {plan.total:.1f} GiB a GPU under {plan.strategy} ({plan.precision}, {t.device_batch} x "
+        f"{t.seq_len} tokens a micro-batch), over {USABLE:.0%} of {budget:g} GiB: try fewer sequences a "
+        f"micro-batch (train.micro_batch), more GPUs (train.devices, num_nodes){hint} (make params)"
     )
 
 
@@ -130,47 +131,53 @@ class SavedBytes:
 @functools.lru_cache(maxsize=64)
 def saved_activations(model_cfg: ModelConfig, batch: int, seq_len: int, compute_bytes: int) -> SavedBytes:
     """Run ``model_cfg``'s model on a (``batch``, ``seq_len``) meta batch in the compute dtype of
-    ``compute_bytes`` (2: bf16 weights but the router's; 4: fp32) and count the bytes saved for
-    the backward pass (module docstring). Takes about a second at the paper's scale."""
-    from experiments.model import GatedLM
-    from experiments.moe import MoEFFN
-
+    ``compute_bytes`` (2: bf16 weights but the router's, as FSDP gathers them; 4: fp32) and count
+    the bytes it saves for the backward pass (:func:`count_saved`). Takes about a second at the
+    paper's scale."""
     with torch.device("meta"):
         model = GatedLM(model_cfg)
     dtype = torch.bfloat16 if compute_bytes == 2 else torch.float32
     for name, p in model.named_parameters():
         if ".router." not in name:  # FSDP keeps the router in fp32 (experiments.sharding)
             p.data = p.data.to(dtype)
-    for m in model.modules():
-        if isinstance(m, MoEFFN):  # the kernel every GPU the plan is for runs, without its check
-            m.use_grouped_mm, m.experts_path = True, "grouped_mm"
-    seen: set[int] = set()
-    where = {"block": -1}
-    counts = [0] * (len(model.blocks) + 1)  # per block, then outside
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage._cdata not in seen and not isinstance(t, torch.nn.Parameter):
-            seen.add(storage._cdata)
-            counts[where["block"]] += storage.nbytes()
-        return t
-
-    def enter(i: int):
-        return lambda *_: where.update(block=i)
-
-    for i, block in enumerate(model.blocks):
-        block.register_forward_pre_hook(enter(i))
-        block.register_forward_hook(lambda *_: where.update(block=-1))
-    tokens = torch.zeros(batch, seq_len + 1, dtype=torch.long, device="meta")
-    params = {s for p in model.parameters() for s in [p.untyped_storage()._cdata]}
-    seen |= params  # weights are held anyway: not activations
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _FlashLikeAttention():
-        logits = model(tokens[:, :-1])
-        F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+    per_block, outside = count_saved(model, torch.zeros(batch, seq_len + 1, dtype=torch.long, device="meta"))
     root = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("blocks."))
     block = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
     n_params = sum(p.numel() for p in model.parameters())
-    return SavedBytes(sum(counts), counts[-1], tuple(counts[:-1]), n_params, root, block)
+    return SavedBytes(sum(per_block) + outside, outside, tuple(per_block), n_params, root, block)
+
+
+def count_saved(model: GatedLM, batch: torch.Tensor) -> tuple[list[int], int]:
+    """Bytes ``model``'s forward and loss on the (B, T + 1) token windows ``batch`` save for the
+    backward pass: per block, and outside the blocks. Tensors that share storage count once, the
+    weights not at all; attention counts what flash attention saves. On any device (the meta
+    device: shapes only); a MoE's experts take the grouped kernel."""
+    from experiments.moe import MoEFFN
+
+    for m in model.modules():
+        if isinstance(m, MoEFFN):  # the kernel every GPU the plan is for runs, without its check
+            m.use_grouped_mm, m.experts_path = True, "grouped_mm"
+    seen = {p.untyped_storage()._cdata for p in model.parameters()}  # held anyway: not activations
+    where, counts = [-1], [0] * (len(model.blocks) + 1)  # per block, then outside
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if (storage := t.untyped_storage())._cdata not in seen:
+            seen.add(storage._cdata)
+            counts[where[0]] += storage.nbytes()
+        return t
+
+    hooks = []
+    for i, block in enumerate(model.blocks):
+        hooks.append(block.register_forward_pre_hook(lambda *_, i=i: where.__setitem__(0, i)))
+        hooks.append(block.register_forward_hook(lambda *_: where.__setitem__(0, -1)))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _FlashLikeAttention():
+            logits = model(batch[:, :-1])
+            F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+    finally:
+        for h in hooks:
+            h.remove()
+    return counts[:-1], counts[-1]
 
 
 class _FlashAttention(torch.autograd.Function):

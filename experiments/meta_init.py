@@ -139,7 +139,9 @@ class _Recorder(TorchFunctionMode):
         super().__init__()
         self.calls: list[_Call] = []
 
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = dict(kwargs or {})
         if func in UNSUPPORTED:
             raise ValueError(f"{_name(func)} draws numbers a meta-device build cannot replay")

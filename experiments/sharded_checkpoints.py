@@ -85,7 +85,9 @@ def _own_records(folder: Path, rank: int) -> dict[str, dict[str, int | str]]:
     names = [p.name for p in folder.iterdir() if p.name.startswith(f"__{rank}_")]
     if rank == 0:
         names += [p.name for p in folder.iterdir() if not p.name.startswith("__")]
-    return {n: {"bytes": (folder / n).stat().st_size, "sha256": file_sha256(folder / n)} for n in sorted(names)}
+    return {
+        n: {"bytes": (folder / n).stat().st_size, "sha256": file_sha256(folder / n)} for n in sorted(names)
+    }
 
 
 def _gather(record: dict) -> list[dict]:
@@ -114,7 +116,7 @@ def folder_problem(path: Path) -> str | None:
         present = sorted(p.name for p in path.iterdir())
         if present != sorted(record):
             missing, extra = set(record) - set(present), set(present) - set(record)
-            return f"a folder whose files are not the ones written (missing {sorted(missing)}, extra {sorted(extra)})"
+            return f"a folder of other files than written (missing {sorted(missing)}, extra {sorted(extra)})"
         for name, r in record.items():
             size = (path / name).stat().st_size
             if size != r.get("bytes"):

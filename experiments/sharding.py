@@ -162,8 +162,9 @@ class ShardedStrategy(ModelParallelStrategy):
             model.set_requires_gradient_sync(True)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """The training state as a folder of shards, written as :func:`experiments.sharded_checkpoints.save_sharded`
-        writes it; weights gathered whole (:meth:`full_weights`) go through the checkpoint IO as one file."""
+        """The training state as a folder of shards
+        (:func:`experiments.sharded_checkpoints.save_sharded`); weights gathered whole
+        (:meth:`full_weights`) go through the checkpoint IO as one file."""
         from experiments.sharded_checkpoints import save_sharded
 
         if not self._save_distributed_checkpoint:

@@ -109,7 +109,8 @@ class TrainConfig:
         accum = self.batch_size // parts
         if self.grad_accum not in (1, accum):
             raise ConfigError(
-                "grad_accum", f"set grad_accum or micro_batch, not both (micro_batch {self.micro_batch} makes it {accum})"
+                "grad_accum",
+                f"set grad_accum or micro_batch, not both (micro_batch {self.micro_batch} makes it {accum})",
             )
         object.__setattr__(self, "grad_accum", accum)  # frozen: set once, here
 
@@ -131,7 +132,14 @@ class TrainConfig:
         ):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ConfigError(name, f"must be positive, got {getattr(self, name)}")
-        for name in ("probe_every", "checkpoint_every", "grad_clip", "weight_decay", "gpu_memory_gib", "micro_batch"):
+        for name in (
+            "probe_every",
+            "checkpoint_every",
+            "grad_clip",
+            "weight_decay",
+            "gpu_memory_gib",
+            "micro_batch",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"must be 0 or more, got {getattr(self, name)}")
         for name in ("beta1", "beta2"):  # AdamW's moving averages: a factor of 1 or more never forgets

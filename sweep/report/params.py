@@ -49,7 +49,8 @@ def memory_table(grid: Grid, scale: str, rows: list[str] | None = None) -> pd.Da
                 "Method": row.label,
                 "Strategy": f"{t.strategy} x{t.world_size}, {plan.precision}"
                 + (f", sync per {t.grad_sync.replace('_', '-')}" if t.grad_accum > 1 else ""),
-                "Micro-batch": f"{t.device_batch} x {t.seq_len}" + (f" (x{t.grad_accum})" if t.grad_accum > 1 else ""),
+                "Micro-batch": f"{t.device_batch} x {t.seq_len}"
+                + (f" (x{t.grad_accum})" if t.grad_accum > 1 else ""),
                 "Weights": fmt(plan.weights, digits=2),
                 "Grads": fmt(plan.gradients, digits=2),
                 "Optimizer": fmt(plan.optimizer, digits=2),
@@ -71,6 +72,8 @@ def print_params(grid: Grid, scale: str, rows: list[str] | None = None) -> None:
 
     print(f"{grid.title} - parameters at scale '{scale}' (counted from the configs)")
     print(markdown_table(params_table(grid, scale, rows)))
-    print(f"\nPeak memory a GPU at scale '{scale}', GiB (planned, not measured: docs/scales.md; "
-          f"the total adds {RUNTIME_GIB:g} GiB of runtime)")
+    print(
+        f"\nPeak memory a GPU at scale '{scale}', GiB (planned, not measured: docs/scales.md; "
+        f"the total adds {RUNTIME_GIB:g} GiB of runtime)"
+    )
     print(markdown_table(memory_table(grid, scale, rows)))

@@ -36,24 +36,26 @@ def check_runnable(grid: Grid, cells: list[Cell], nodes: int | None = 1) -> None
     """
     first = next((c for c in cells if c.config.train.num_nodes > 1), None)
     for cell in cells:
-        t = cell.config.train
-        why = field = None
-        if t.gpu_memory_gib and (why := memory_problem(cell.config)):
-            field = "train.gpu_memory_gib"
-        elif nodes is None and first is not None and t.num_nodes != first.config.train.num_nodes:
-            why = (
-                f"num_nodes = {t.num_nodes}, but row '{first.row.id}' has {first.config.train.num_nodes}: "
-                "a sweep's cluster jobs have one size; sweep them apart (ROWS=)"
-            )
-            field = "train.num_nodes"
-        elif nodes is not None and t.num_nodes > 1 and t.num_nodes != nodes:
-            why = (
-                f"num_nodes = {t.num_nodes}: a cell on several machines trains in a cluster job of as "
-                "many nodes (LAUNCHER=slurm, or submitit-local to try it here)"
-            )
-            field = "train.num_nodes"
-        if why is not None:
-            raise GridError(grid.file, why, cell.row.id, field)
+        if found := _problem(cell, first, nodes):
+            raise GridError(grid.file, found[0], cell.row.id, found[1])
+
+
+def _problem(cell: Cell, first: Cell | None, nodes: int | None) -> tuple[str, str] | None:
+    """(why, the field) of :func:`check_runnable`'s first objection to ``cell``, or None."""
+    t = cell.config.train
+    if why := memory_problem(cell.config):
+        return why, "train.gpu_memory_gib"
+    if nodes is None and first is not None and t.num_nodes != first.config.train.num_nodes:
+        return (
+            f"num_nodes = {t.num_nodes}, but row '{first.row.id}' has {first.config.train.num_nodes}: "
+            "a sweep's cluster jobs have one size; sweep them apart (ROWS=)"
+        ), "train.num_nodes"
+    if nodes is not None and t.num_nodes > 1 and t.num_nodes != nodes:
+        return (
+            f"num_nodes = {t.num_nodes}: a cell on several machines trains in a cluster job of as "
+            "many nodes (LAUNCHER=slurm, or submitit-local to try it here)"
+        ), "train.num_nodes"
+    return None
 
 
 def placement_change(run: Any, cell: Cell) -> str:
