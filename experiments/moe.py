@@ -159,8 +159,11 @@ class MoEFFN(nn.Module):
         flat = x.reshape(-1, shape[-1])  # (N, d)
         # Routing in fp32 under any autocast (meta tensors, the memory plan's, have none).
         with contextlib.nullcontext() if flat.is_meta else torch.autocast(flat.device.type, enabled=False):
-            # A module call, so a sharded router (its own fp32 FSDP unit) is gathered for it.
-            logits = self.router(flat.float())  # (N, E)
+            # A module call where the weight is fp32, so a sharded router (its own fp32 FSDP
+            # unit, experiments.sharding) is gathered for it; a cast copy of any other weight.
+            weight = self.router.weight
+            float_weight = weight.dtype == torch.float32
+            logits = self.router(flat.float()) if float_weight else F.linear(flat.float(), weight.float())
         probs, experts, weights = route(logits, self.top_k)
         # Group the N*k assignments by expert (a stable sort); each expert runs once on its slice.
         assigned = experts.flatten()  # (N*k,)
