@@ -42,17 +42,17 @@ def save_sharded(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> No
     """Write ``checkpoint`` (Lightning's, its ``state_dict`` and ``optimizer_states`` sharded) as
     the folder ``filepath``, atomically and with its record; every rank calls it.
 
-    Raises:
-        FileExistsError: ``filepath`` exists (checkpoint names are never reused).
+    A folder already there (rank 0's view decides for all) is the state of this same step's
+    start, saved before (a run stopped at the step it resumed from): it is kept, not rewritten.
     """
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
 
     path = Path(strategy.broadcast(str(filepath)))
+    if strategy.broadcast(path.exists()):
+        return
     tmp = path.with_name(path.name + ".tmp")
     if strategy.is_global_zero:
-        if path.exists():
-            raise FileExistsError(f"checkpoint {path} exists")
         shutil.rmtree(tmp, ignore_errors=True)  # a save killed midway, before
         tmp.mkdir(parents=True)
     strategy.barrier("sharded-checkpoint-start")
