@@ -78,7 +78,7 @@ Train and report (python -m sweep.cli COMMAND)
   tables          rewrite results/<grid>.* and its figures from the store, no training
   budget          each row's Δ at 25, 50 and 100 % of training: results/<table>_budget.*
   eval            benchmark finished runs that lack scores, then the tables
-  params          total, active and added parameters per row, counted from the configs
+  params          parameters per row, and each row's planned peak memory a GPU (SCALE=paper)
   data            build (or check) GRID's corpora at SCALE; DOWNLOAD=1 fetches hub sources first
   tune            Optuna search of each row's max LR (TRIALS)
   stability       every row at every rung of the LR ladder (LADDER), never pruned

@@ -48,8 +48,14 @@ def checkpoint_problem(path: Path) -> str | None:
     A checkpoint written by :class:`AtomicCheckpointIO` has its size and sha256 beside it
     (:func:`sum_file`), checked here (reading the file once: about 10 ms for a `tiny` one). One
     written before the record existed is checked as a whole zip archive (what ``torch.save`` writes)
-    only: a truncated file is found, a same-sized overwrite is not.
+    only: a truncated file is found, a same-sized overwrite is not. A sharded run's checkpoint is
+    a folder, each of its files checked against its record
+    (:func:`experiments.sharded_checkpoints.folder_problem`).
     """
+    if path.is_dir():
+        from experiments.sharded_checkpoints import folder_problem
+
+        return folder_problem(path)
     try:
         size = path.stat().st_size
         if size == 0:
@@ -193,8 +199,7 @@ class PeriodicCheckpoint(pl.Callback):
         previous = latest_checkpoint(self.folder)
         save_at_step_start(trainer, path)
         if trainer.is_global_zero and previous is not None and previous != path:
-            previous.unlink()
-            sum_file(previous).unlink(missing_ok=True)
+            remove_checkpoint(previous)
 
 
 def save_at_step_start(trainer: pl.Trainer, path: Path) -> None:
@@ -205,7 +210,8 @@ def save_at_step_start(trainer: pl.Trainer, path: Path) -> None:
     ``_TrainingEpochLoop.reset``). Saved here, before the step begins, that counter is already
     right, so the file stores it one lower; ``tests/test_resume.py`` checks the resumed run logs
     every step once. Every rank calls it (Lightning's rule: a sharded strategy gathers the state);
-    the ranks hold the same replica under DDP, and rank 0 writes it for all.
+    the ranks hold the same replica under DDP, and rank 0 writes it for all; under FSDP each rank
+    writes its shards into one folder (``experiments.sharded_checkpoints``).
     """
     checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
     epoch_loop = checkpoint["loops"]["fit_loop"]["epoch_loop.state_dict"]
@@ -214,11 +220,20 @@ def save_at_step_start(trainer: pl.Trainer, path: Path) -> None:
     trainer.strategy.barrier("step-checkpoint")  # no rank goes on before the file is there
 
 
+def remove_checkpoint(path: Path) -> None:
+    """Remove checkpoint ``path`` (a file, or a sharded run's folder) and its record."""
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+    sum_file(path).unlink(missing_ok=True)
+
+
 def drop_step_checkpoints(folder: Path) -> None:
-    """Remove the training-state files (with their records and any ``.tmp``) once a run has its
-    result recorded."""
+    """Remove the training-state files and folders (with their records and any ``.tmp``) once a
+    run has its result recorded."""
     for path in folder.glob("step*.ckpt*"):
-        path.unlink()
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
 
 def latest_checkpoint(folder: Path) -> Path | None:

@@ -173,7 +173,7 @@ class CorpusDataModule(pl.LightningDataModule):
                 HeldOutWindows(
                     self.corpus.tokens("val", d), t.seq_len, t.val_tokens, self.corpus.sequence_tokens
                 ),
-                batch_size=t.batch_size,
+                batch_size=t.device_batch,  # what a device holds in training (one process: the batch)
             )
             for d in self.corpus.domains
         ]

@@ -84,8 +84,10 @@ _opaque_grouped_mm.register_autograd(_opaque_backward, setup_context=_save)
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``F.grouped_mm(x (M, K), w (G, K, N), offs (G,) int32) -> (M, N)``, as an opaque op inside a
-    float32 (or float16) compiled graph (module docstring); rows past ``offs[-1]`` are undefined."""
-    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+    float32 (or float16) compiled graph (module docstring), and on float32 meta tensors (the
+    memory plan, ``experiments.memory``: the kernel's meta function takes bf16 only); rows past
+    ``offs[-1]`` are undefined."""
+    if (torch.compiler.is_compiling() or x.is_meta) and x.dtype != torch.bfloat16:
         return _opaque_grouped_mm(x, w, offs)
     return F.grouped_mm(x, w, offs=offs)
 

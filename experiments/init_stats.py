@@ -14,6 +14,7 @@ import torch
 
 from experiments import names as N
 from experiments.model import GatedLM
+from experiments.sharding import gathered
 
 
 @torch.no_grad()
@@ -25,6 +26,8 @@ def init_statistics(model: GatedLM, tokens: torch.Tensor) -> dict[str, float]:
     - ``init/branch_scale``: RMS of each attention layer's output (after ``W_O``, and after a G5
       gate) over its RMS with the gate bypassed: 0.5 for a constant sigmoid gate of 0.5, above 1
       where a control amplifies the branch.
+
+    Under FSDP every rank calls it (its root forward and each block's gathering are collective).
 
     Returns:
         The two metrics (only the second without a gate projection); ``{}`` for the baseline.
@@ -44,13 +47,16 @@ def init_statistics(model: GatedLM, tokens: torch.Tensor) -> dict[str, float]:
             h.remove()
     ratios, stds = [], []
     try:
-        for a, x in zip(attns, inputs):  # each layer on its own input, gated and bypassed
-            gated = a(x, model.rope)
-            a.gate.bypass = True
-            ratios.append(_rms(gated) / _rms(a(x, model.rope)))
-            a.gate.bypass = False
-            if width:
-                stds.append(float(a.in_proj(x)[..., -width:].double().std()))
+        for block, a, x in zip(
+            model.blocks, attns, inputs
+        ):  # each layer on its own input, gated and bypassed
+            with gathered(block):  # a sharded block's weights, whole for calls past its forward
+                gated = a(x, model.rope)
+                a.gate.bypass = True
+                ratios.append(_rms(gated) / _rms(a(x, model.rope)))
+                a.gate.bypass = False
+                if width:
+                    stds.append(float(a.in_proj(x)[..., -width:].double().std()))
     finally:
         for a in attns:
             a.gate.bypass = False

@@ -9,12 +9,12 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from experiments import names as N
 from experiments.config import RunConfig, TrainConfig
 from experiments.devices import autocast_dtype, rng_state, scoring_precision, set_rng_state
 from experiments.init_stats import init_statistics
+from experiments.meta_init import record_build
 from experiments.model import GatedLM, count_active_parameters, count_parameters
 from experiments.moe import (
     MoEFFN,
@@ -26,6 +26,7 @@ from experiments.moe import (
     router_stats,
 )
 from experiments.probes import ProbeResult, run_probes
+from experiments.sharding import checkpoint_blocks, clip_sharded_grad_norm, is_sharded, shard_model
 from experiments.stability import DeferredChecks, SpikeDetector, divergence_bound
 
 INIT_PROBE_SEQS = 8  # probe sequences the step-0 gate statistics read
@@ -79,6 +80,11 @@ class LMModule(pl.LightningModule):
     logged once a step), every rank validates and probes the same held-out windows (no
     collective: a MoE forward all-reduces in training only), and rank 0 alone logs.
 
+    Under ``train.strategy: fsdp`` the model is built on the meta device and :meth:`configure_model`
+    shards it (``experiments.sharding``): each rank holds its shards of the weights a one-process
+    run starts from. Every forward of the harness goes through the root module (validation,
+    probes) or gathers a block's weights first (the step-0 statistics), on every rank.
+
     Args:
         cfg: the run configuration.
         domains: validation domain names, in the order of the validation dataloaders.
@@ -88,7 +94,19 @@ class LMModule(pl.LightningModule):
     def __init__(self, cfg: RunConfig, domains: list[str], probe_tokens: torch.Tensor | None = None) -> None:
         super().__init__()
         self.cfg, self.domains = cfg, list(domains)
-        self.model = GatedLM(cfg.model)
+        sharded = cfg.train.strategy == "fsdp"
+        #: Under FSDP, until configure_model: the generator state a CPU build would start from,
+        #: and how that build initialises each parameter (experiments.meta_init).
+        self._init_rng = self._init_plan = None
+        if sharded:
+            self._init_rng = torch.get_rng_state()
+            self.model, self._init_plan = record_build(lambda: GatedLM(cfg.model))
+        else:
+            self.model, self._init_plan = GatedLM(cfg.model), None
+            if cfg.train.activation_checkpointing:
+                checkpoint_blocks(self.model)
+        #: A finished run's weights to start from (Training.start_from), loaded once sharded.
+        self.start_weights: dict[str, torch.Tensor] | None = None
         self.probe_tokens = probe_tokens
         self.spikes = SpikeDetector(cfg.train.spike_window, cfg.train.spike_z)
         self.diverge_bound = divergence_bound(cfg.model.vocab_size, cfg.train.diverge_factor)
@@ -99,7 +117,8 @@ class LMModule(pl.LightningModule):
         self.first_step_seconds: float | None = None
         if cfg.train.compile:  # dynamo caches on next_token_loss's code: 8 graphs, then eager for good
             torch._dynamo.reset()  # so a worker's fifth model would run eager; one cell at a time
-        self._compiled = torch.compile(next_token_loss) if cfg.train.compile else None
+        # Under FSDP each block is compiled instead (experiments.sharding).
+        self._compiled = torch.compile(next_token_loss) if cfg.train.compile and not sharded else None
         self.validations = 0
         self.n_params = count_parameters(self.model)
         self.n_active_params = count_active_parameters(self.model)
@@ -112,6 +131,28 @@ class LMModule(pl.LightningModule):
         self._window: tuple[float, int] | None = None  # (clock, steps) since the last check
         self._pending: dict[str, torch.Tensor] = {}  # the optimiser step's figures so far
         self._resumed_rng: dict | None = None
+
+    def configure_model(self) -> None:
+        """Under ``train.strategy: fsdp``, once: shard the meta-device model over the ranks and
+        initialise each rank's shards as one process's build would be (``experiments.sharding``),
+        then load :attr:`start_weights` if set. Nothing for another strategy (its model exists)."""
+        if self._init_plan is None:
+            return
+        t = self.cfg.train
+        if t.activation_checkpointing:
+            checkpoint_blocks(self.model)
+        device, mesh = self.trainer.strategy.root_device, self.device_mesh["data_parallel"]
+        shard_model(
+            self.model, mesh, self.trainer.precision, self._init_plan, self._init_rng, device, t.compile
+        )
+        self._init_plan = None
+        if self.start_weights is not None:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            # rank 0 read the file; the others get their shards from it
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            set_model_state_dict(self.model, self.start_weights, options=options)
+            self.start_weights = None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, T) token ids -> (B, T, V) logits."""
@@ -212,7 +253,9 @@ class LMModule(pl.LightningModule):
         slow = [p for p in self.experts_paths() if p.startswith("looped") or "fallback" in p]
         if slow and self.trainer.is_global_zero:  # slower, never silent (and the run's moe_experts tag)
             print(f"note: the MoE experts run one expert at a time ({slow[0]})", flush=True)
-        if self.global_step == 0 and self.probe_tokens is not None and self.logger is not None:
+        # Rank 0's logger decides for all: every rank must take a sharded model's forward.
+        wanted = self.trainer.strategy.broadcast(self.logger is not None)
+        if self.global_step == 0 and self.probe_tokens is not None and wanted:
             tokens = self.probe_tokens[:INIT_PROBE_SEQS].to(self.device)
             with scoring_precision(self.device, str(self.trainer.precision)):  # every rank: MoE all-reduces
                 stats = init_statistics(self.model, tokens)
@@ -259,11 +302,10 @@ class LMModule(pl.LightningModule):
         before clipping: one pass over the gradients computes both (the trainer clips nothing).
         A fused AdamW skips its update on the device when the norm is not finite (its
         ``found_inf``, as AMP's grad scaler sets it), so no check has to wait for the GPU."""
-        wrapped = self.trainer.strategy.model if self._trainer is not None else None
-        if isinstance(wrapped, FSDP):  # each rank holds a shard: the norm over all of them
-            grad_norm = wrapped.clip_grad_norm_(self.cfg.train.grad_clip or math.inf)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if is_sharded(self.model):  # each rank holds a shard: the norm over all of them
+            grad_norm = clip_sharded_grad_norm(params, self.cfg.train.grad_clip or math.inf)
         else:
-            params = [p for p in self.model.parameters() if p.grad is not None]
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip or math.inf)
         inner = getattr(optimizer, "_optimizer", optimizer)
         fused = bool(inner.defaults.get("fused"))  # fp16's grad scaler sets found_inf itself:

@@ -23,6 +23,7 @@ gradients over ranks, so the router's balancing gradient arrives divided by the 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -142,6 +143,7 @@ class MoEFFN(nn.Module):
         #: Set by :func:`carry_balance`: the next forward continues the last one's optimiser step.
         self.carry = False
         self._step_so_far: RouterStats | None = None  # the last training forward's routing
+        self._carried: RouterStats | None = None  # the routing this micro-batch's forward adds to
         #: ``torch.nn.functional.grouped_mm`` for the experts; :func:`choose_experts_path` turns it
         #: off where the kernel fails its check, and ``experts_path`` says which path runs and why.
         self.use_grouped_mm = True
@@ -155,8 +157,13 @@ class MoEFFN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # (N, d)
-        with torch.autocast(flat.device.type, enabled=False):  # routing in fp32 under any autocast
-            logits = F.linear(flat.float(), self.router.weight.float())  # (N, E)
+        # Routing in fp32 under any autocast (meta tensors, the memory plan's, have none).
+        with contextlib.nullcontext() if flat.is_meta else torch.autocast(flat.device.type, enabled=False):
+            # A module call where the weight is fp32, so a sharded router (its own fp32 FSDP
+            # unit, experiments.sharding) is gathered for it; a cast copy of any other weight.
+            weight = self.router.weight
+            float_weight = weight.dtype == torch.float32
+            logits = self.router(flat.float()) if float_weight else F.linear(flat.float(), weight.float())
         probs, experts, weights = route(logits, self.top_k)
         # Group the N*k assignments by expert (a stable sort); each expert runs once on its slice.
         assigned = experts.flatten()  # (N*k,)
@@ -165,7 +172,9 @@ class MoEFFN(nn.Module):
         counts = expert_counts(assigned, self.n_experts)  # (E,), once per layer, no host sync
         # Outside training: no collective (the ranks validate different numbers of batches), and
         # nothing carried to or from the training step's micro-batches.
-        before = self._step_so_far if self.carry and self.training else None
+        # As carry_balance left it: a recomputation of this forward (activation checkpointing)
+        # must add to the same earlier micro-batches, not to itself.
+        before = self._carried if self.carry and self.training else None
         self.stats = balancing_losses(
             logits, probs, experts, self.global_batch and self.training, before, counts=counts
         )
@@ -202,6 +211,8 @@ class MoEFFN(nn.Module):
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype matmuls on ``x``'s device run in: autocast's, else ``x``'s own."""
     device = x.device.type
+    if device == "meta":
+        return x.dtype
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
@@ -287,6 +298,7 @@ def carry_balance(model: nn.Module, carry: bool) -> None:
     for m in model.modules():
         if isinstance(m, MoEFFN):
             m.carry = carry
+            m._carried = m._step_so_far if carry else None
 
 
 def auxiliary_loss(

@@ -14,6 +14,7 @@ run are the caller's choice::
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,17 +32,16 @@ from experiments.probes import ProbeResult, probe_batch
 
 def lightning_strategy(t: TrainConfig) -> str | pl.strategies.Strategy:
     """Lightning's strategy for ``t.strategy``: ``auto`` and ``ddp`` by name; ``fsdp`` as the paper
-    scale needs it: every :class:`~experiments.model.Block` (attention and its MoE FFN) one FSDP
-    unit, fully sharded (parameters, gradients and AdamW state split over the ranks: 15.6B
-    parameters x 16 bytes over 128 GPUs is 1.9 GB each), the checkpoint gathered whole on rank 0
-    (the file one process writes and reads). Mixed precision is ``t.precision``'s."""
+    scale needs it, Lightning's ``ModelParallelStrategy`` with FSDP2 over all ``t.world_size``
+    ranks (:class:`experiments.sharding.ShardedStrategy`): every :class:`~experiments.model.Block`
+    one unit, parameters, gradients and AdamW state split over the ranks (15.6B parameters x 16
+    bytes over 128 GPUs is 1.9 GB each), the training state saved as a folder of shards, the final
+    weights gathered whole on rank 0 (the file one process writes). It runs on CPU ranks (gloo) too."""
     if t.strategy != "fsdp":
         return t.strategy
-    from lightning.pytorch.strategies import FSDPStrategy
+    from experiments.sharding import ShardedStrategy
 
-    from experiments.model import Block
-
-    return FSDPStrategy(auto_wrap_policy={Block}, sharding_strategy="FULL_SHARD", state_dict_type="full")
+    return ShardedStrategy(t.world_size, defer_grad_sync=t.grad_sync == "step")
 
 
 def build_trainer(t: TrainConfig, logger: Any = False, callbacks: Sequence[pl.Callback] = ()) -> pl.Trainer:
@@ -117,12 +117,19 @@ class Training:
         same parameter shapes. Only the weights carry over; the optimiser, the LR schedule and the
         step count start afresh. Call before :meth:`fit` (a resumed fit then restores its own).
 
+        Under FSDP rank 0 reads the file and every rank takes its shards of it once the model is
+        sharded (``LMModule.configure_model``).
+
         Raises:
             FileNotFoundError: no such file.
             experiments.checkpointing.CheckpointDamaged: its bytes are not the ones written.
             RuntimeError: the weights do not fit this model (torch's ``load_state_dict``).
         """
-        self.module.load_state_dict(load_weights(weights))
+        if self.cfg.train.strategy != "fsdp":
+            self.module.load_state_dict(load_weights(weights))
+            return
+        state = load_weights(weights) if self.trainer.global_rank == 0 else {}
+        self.module.start_weights = {k.removeprefix("model."): v for k, v in state.items()}
 
     def fit(self, resume_from: Path | None = None) -> None:
         """Train to ``train.max_steps``, from step 0 or from a ``step<N>.ckpt`` training state.
@@ -167,8 +174,11 @@ class Training:
         return final
 
     def save_weights(self, path: Path) -> None:
-        """The trained weights as a Lightning checkpoint (``state_dict`` under ``model.``)."""
-        self.trainer.save_checkpoint(path, weights_only=True)
+        """The trained weights as a Lightning checkpoint (``state_dict`` under ``model.``), one
+        file; under FSDP gathered whole on rank 0 (every rank must call it)."""
+        full_weights = getattr(self.trainer.strategy, "full_weights", contextlib.nullcontext)
+        with full_weights():
+            self.trainer.save_checkpoint(path, weights_only=True)
 
     def probe(self) -> ProbeResult:
         """The probes of ``experiments.probes`` on the fixed probe batch, on the training device.

@@ -74,10 +74,45 @@ class TrainConfig:
     grad_accum: int = 1
     """Micro-batches each process accumulates per optimiser step (``accumulate_grad_batches``). A
     MoE's global-batch balancing then spans one micro-batch of every rank, not the whole step."""
+    micro_batch: int = 0
+    """Sequences each process takes per forward; when set, ``grad_accum`` follows from the global
+    batch (``batch_size / (world_size * micro_batch)``), so a row that doubles the batch doubles
+    the micro-batches, not the memory (the paper scales). 0: ``grad_accum`` as set."""
+    grad_sync: Literal["step", "micro_batch"] = "step"
+    """When the ranks reduce the gradients of a step of ``grad_accum`` micro-batches: ``step``,
+    once, after the last (no communication in between; under FSDP each rank then holds the whole
+    model's unsharded fp32 gradient between micro-batches, 4 bytes a parameter); ``micro_batch``,
+    after each (FSDP reduce-scatters every micro-batch's and keeps only its shard: the paper rows'
+    choice, docs/scales.md). DDP always reduces once a step."""
+    activation_checkpointing: bool = False
+    """Keep only each block's input for the backward pass and recompute its activations there:
+    about a third more compute for a fraction of the activation memory (``make memory``)."""
+    gpu_memory_gib: float = 0
+    """The memory of the GPUs a row is meant for (GiB; 0: not checked). A row whose estimated
+    peak a GPU exceeds it is refused before anything trains (``make memory``, docs/scales.md)."""
 
     #: Where and how a run trains, not what it trains: left out of the cell's ``run_key``, so one
     #: grid names the same cells on a laptop and on a cluster (the global batch is what counts).
-    PLACEMENT: ClassVar[tuple[str, ...]] = ("devices", "num_nodes", "strategy", "grad_accum", "compile")
+    PLACEMENT: ClassVar[tuple[str, ...]] = (
+        "devices", "num_nodes", "strategy", "grad_accum", "micro_batch", "compile", "grad_sync",
+        "activation_checkpointing", "gpu_memory_gib",
+    )  # fmt: skip
+
+    def _derive_grad_accum(self) -> None:
+        parts = self.world_size * self.micro_batch
+        if self.batch_size % parts:
+            raise ConfigError(
+                "micro_batch",
+                f"the global batch {self.batch_size} does not split into micro-batches of {self.micro_batch} "
+                f"on train.devices x num_nodes = {self.world_size} processes",
+            )
+        accum = self.batch_size // parts
+        if self.grad_accum not in (1, accum):
+            raise ConfigError(
+                "grad_accum",
+                f"set grad_accum or micro_batch, not both (micro_batch {self.micro_batch} makes it {accum})",
+            )
+        object.__setattr__(self, "grad_accum", accum)  # frozen: set once, here
 
     @property
     def world_size(self) -> int:
@@ -97,7 +132,14 @@ class TrainConfig:
         ):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ConfigError(name, f"must be positive, got {getattr(self, name)}")
-        for name in ("probe_every", "checkpoint_every", "grad_clip", "weight_decay"):
+        for name in (
+            "probe_every",
+            "checkpoint_every",
+            "grad_clip",
+            "weight_decay",
+            "gpu_memory_gib",
+            "micro_batch",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"must be 0 or more, got {getattr(self, name)}")
         for name in ("beta1", "beta2"):  # AdamW's moving averages: a factor of 1 or more never forgets
@@ -122,6 +164,12 @@ class TrainConfig:
             )
         if self.val_tokens < self.seq_len + 1:
             raise ConfigError("val_tokens", f"must be at least seq_len + 1 = {self.seq_len + 1}")
+        if self.micro_batch:
+            self._derive_grad_accum()
+        if self.grad_sync == "micro_batch" and self.strategy != "fsdp":
+            raise ConfigError(
+                "grad_sync", "micro_batch needs strategy fsdp (DDP reduces the gradients once a step)"
+            )
         if self.batch_size % (parts := self.world_size * self.grad_accum):
             raise ConfigError(
                 "batch_size",

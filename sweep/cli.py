@@ -125,11 +125,9 @@ def _main(argv: list[str] | None) -> int:
         grid = load_grid(args.grid)
         cells = grid.cells(args.scale, seeds=seeds, rows=rows)
         if args.command == "params":
-            from sweep.report.display import markdown_table
-            from sweep.report.params import params_table
+            from sweep.report.params import print_params
 
-            print(f"{grid.title} - parameters at scale '{args.scale}' (counted from the configs)")
-            print(markdown_table(params_table(grid, args.scale, rows)))
+            print_params(grid, args.scale, rows)
             return 0
         if args.command in ("sweep", "worker", "tune", "stability"):
             from sweep.run.placement import check_runnable, job_nodes

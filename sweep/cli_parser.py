@@ -13,7 +13,7 @@ COMMANDS = (
     ("sweep", "train every unfinished cell, then write the tables"),
     ("tables", "write results/<grid>.{md,csv,tex} and the figures from the tracking store"),
     ("budget", "write results/<grid>_budget.{md,csv}: each row's Δ at 25, 50 and 100 % of training"),
-    ("params", "print total, active and added parameters per row (counted, no training)"),
+    ("params", "print each row's parameters and planned peak memory a GPU (counted, no training)"),
     ("tune", "Optuna search of each row's max learning rate, then results/<grid>_lr_search.*"),
     ("stability", "train each row at every rung of the grid's LR ladder, then results/<grid>_lr_ladder.*"),
     ("worker", "train cells from the sweep's queue until it is empty (started by sweep --workers)"),

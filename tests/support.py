@@ -5,6 +5,7 @@ import ...``); ``conftest.py`` holds only pytest's hooks and fixtures."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import lightning.pytorch as pl
 import optuna
 import pytest
 import torch
@@ -21,7 +23,8 @@ from mlflow import MlflowClient
 from mlflow.entities import ViewType
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from experiments.config import ModelConfig
+from experiments import names as N
+from experiments.config import DataConfig, ModelConfig, MoEConfig, TrainConfig
 from experiments.lm_wrapper import GatedAttnLM
 from experiments.model import GatedLM
 from sweep.cli import main
@@ -54,6 +57,34 @@ rows:
   - {id: sdpa_elementwise, label: "SDPA elementwise (G1)", paper_row: 5, model: {gate: {position: sdpa}}}
   - {id: moe, label: "MoE FFN, 4 experts top-2", model: {moe: {n_experts: 4, top_k: 2, expert_dim: 16}}}
 """
+
+
+#: The micro model of the multi-process tests (tests/test_ddp.py, tests/test_fsdp.py): dense, and
+#: a MoE of 4 experts, top-2; 6 steps of 4 sequences of 32 tokens, checkpointed at step 3.
+MODEL = ModelConfig(
+    vocab_size=512, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64, max_seq_len=32
+)
+TRAIN = TrainConfig(
+    max_steps=6, batch_size=4, seq_len=32, warmup_steps=2, val_every=3, val_tokens=512, checkpoint_every=3
+)
+DATA = DataConfig(vocab_size=512, max_chars_per_source=200000)
+KINDS = {
+    "dense": MODEL,
+    "moe": dataclasses.replace(MODEL, moe=MoEConfig(n_experts=4, top_k=2, expert_dim=16)),
+}
+
+
+class LossRecorder(pl.Callback):
+    """Each optimiser step's logged ``train/loss`` (the global batch's, on every rank)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, module: object, out: object, batch: object, i: int
+    ) -> None:
+        if (i + 1) % trainer.accumulate_grad_batches == 0:  # the step's last micro-batch
+            self.losses.append(float(trainer.callback_metrics[N.TRAIN_LOSS]))
 
 
 #: MICRO with 40 steps, a checkpoint every 5 and a validation every 10: long enough to stop midway.

@@ -25,16 +25,21 @@ from mlflow import MlflowClient
 
 from experiments import names as N
 from experiments.checkpointing import step_checkpoint_name
-from experiments.config import DataConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig
+from experiments.config import RunConfig
 from experiments.moe import router_stats
 from experiments.train import Training
 from sweep.cli import main
 from sweep.run.ranks import launch
 from tests.support import (
+    DATA,
+    KINDS,
     LONG_MICRO,
     LONG_STEPS,
     MICRO,
+    MODEL,
     ROOT,
+    TRAIN,
+    LossRecorder,
     assert_close,
     histories,
     process_state,
@@ -49,31 +54,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:You called .self.log:UserWarning"),  # no logger
 ]
 GLOO = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo backend")
-
-MODEL = ModelConfig(
-    vocab_size=512, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64, max_seq_len=32
-)
-TRAIN = TrainConfig(
-    max_steps=6, batch_size=4, seq_len=32, warmup_steps=2, val_every=3, val_tokens=512, checkpoint_every=3
-)
-DATA = DataConfig(vocab_size=512, max_chars_per_source=200000)
-KINDS = {
-    "dense": MODEL,
-    "moe": dataclasses.replace(MODEL, moe=MoEConfig(n_experts=4, top_k=2, expert_dim=16)),
-}
-
-
-class LossRecorder(pl.Callback):
-    """Each optimiser step's logged ``train/loss`` (the global batch's, on every rank)."""
-
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, module: object, out: object, batch: object, i: int
-    ) -> None:
-        if (i + 1) % trainer.accumulate_grad_batches == 0:  # the step's last micro-batch
-            self.losses.append(float(trainer.callback_metrics[N.TRAIN_LOSS]))
 
 
 def train(cfg: RunConfig, checkpoints: Path, final: Path, resume: Path | None = None) -> dict:
@@ -299,34 +279,6 @@ def test_sigterm_to_a_two_rank_cell_saves_it_killed_and_the_next_sweep_resumes_i
     assert (run.data.tags["status"], run.data.tags["resumed"]) == ("finished", "1")
     steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, N.TRAIN_LOSS))
     assert steps == list(range(LONG_STEPS))
-
-
-def test_fsdp_at_the_paper_scale_shards_every_block() -> None:
-    """The paper scale's placement (config only: Lightning refuses FSDP without a GPU, so no
-    training test here): 128 GPUs on 16 machines, two micro-batches of 4 sequences, one FSDP unit
-    per block, fully sharded, the checkpoint gathered whole; the sweep refuses FSDP until it has
-    trained on GPUs."""
-    from lightning.pytorch.strategies import FSDPStrategy
-
-    from experiments.model import Block
-    from experiments.train import lightning_strategy
-    from sweep.grid import load_grid
-    from sweep.gridfile import GridError
-    from sweep.run.placement import check_runnable
-
-    (cell,) = load_grid(ROOT / "grids/table1.yaml").cells("paper", rows=["baseline"])
-    t = cell.config.train
-    assert (t.devices, t.num_nodes, t.world_size, t.grad_accum, t.device_batch) == (8, 16, 128, 2, 4)
-    strategy = lightning_strategy(t)
-    assert isinstance(strategy, FSDPStrategy) and strategy._state_dict_type == "full"
-    assert strategy.kwargs["auto_wrap_policy"]._module_classes == {Block}
-    assert str(strategy.sharding_strategy) == "ShardingStrategy.FULL_SHARD"
-    assert lightning_strategy(TRAIN) == "auto"
-    grid = load_grid(ROOT / "grids/table1.yaml")
-    with pytest.raises(
-        GridError, match="train.strategy: fsdp: configured for the paper scales, never trained"
-    ):
-        check_runnable(grid, [cell], nodes=None)  # the cluster driver: 16 nodes is fine, FSDP is not
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")

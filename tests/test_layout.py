@@ -74,6 +74,12 @@ LAYOUT: tuple = (
             ),
             ("train.py", "the training recipe: a RunConfig in, a trained and probed model out"),
             ("checkpointing.py", "crash-safe step checkpoints, saved at a step's start"),
+            (
+                "sharding.py, meta_init.py",
+                "FSDP2 through Lightning (the paper scales); a meta-device build initialised as on one CPU",
+            ),
+            ("sharded_checkpoints.py", "a sharded run's checkpoint: a folder of shards, atomic, checksummed"),
+            ("memory.py", "per-GPU memory of a run, planned on the meta device (make params)"),
             ("probes.py, stability.py", "gate scores, F-Attn, M-Act, sparsity; loss spikes and divergence"),
             ("init_stats.py", "the gate at initialisation: logit std, branch scale (make init-table)"),
             ("lm_wrapper.py", "our checkpoints as an lm-evaluation-harness model"),

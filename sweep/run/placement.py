@@ -9,6 +9,7 @@ from typing import Any
 from experiments import names as N
 from experiments.config import TrainConfig
 from experiments.devices import auto_precision
+from experiments.memory import memory_problem
 from sweep.grid import Cell, Grid
 from sweep.gridfile import GridError
 
@@ -26,36 +27,35 @@ def check_runnable(grid: Grid, cells: list[Cell], nodes: int | None = 1) -> None
     worker in a cluster job of that many nodes (its ranks start there with ``srun torchrun``,
     :mod:`sweep.run.ranks`); ``nodes`` is how many this process's job has (1: one machine, see
     :func:`job_nodes`), or None for a driver that submits cluster jobs
-    (it sizes them from the cells, so they must all agree). FSDP is refused: it is configured for
-    the ``paper`` scales but has never trained here (no GPU); DDP trains on any number of devices.
+    (it sizes them from the cells, so they must all agree). DDP and FSDP train on any number of
+    devices (CPU ranks too). A row with ``train.gpu_memory_gib`` whose estimated peak a GPU
+    (``experiments.memory``) exceeds it is refused.
 
     Raises:
-        GridError: naming the row and the field (``train.num_nodes``, ``train.strategy``).
+        GridError: naming the row and the field (``train.num_nodes``, ``train.gpu_memory_gib``).
     """
     first = next((c for c in cells if c.config.train.num_nodes > 1), None)
     for cell in cells:
-        t = cell.config.train
-        why = field = None
-        if t.strategy == "fsdp":
-            why = (
-                "fsdp: configured for the paper scales, never trained here (Lightning's FSDP needs "
-                "GPUs and none was lent): the sweep trains with ddp"
-            )
-            field = "train.strategy"
-        elif nodes is None and first is not None and t.num_nodes != first.config.train.num_nodes:
-            why = (
-                f"num_nodes = {t.num_nodes}, but row '{first.row.id}' has {first.config.train.num_nodes}: "
-                "a sweep's cluster jobs have one size; sweep them apart (ROWS=)"
-            )
-            field = "train.num_nodes"
-        elif nodes is not None and t.num_nodes > 1 and t.num_nodes != nodes:
-            why = (
-                f"num_nodes = {t.num_nodes}: a cell on several machines trains in a cluster job of as "
-                "many nodes (LAUNCHER=slurm, or submitit-local to try it here)"
-            )
-            field = "train.num_nodes"
-        if why is not None:
-            raise GridError(grid.file, why, cell.row.id, field)
+        if found := _problem(cell, first, nodes):
+            raise GridError(grid.file, found[0], cell.row.id, found[1])
+
+
+def _problem(cell: Cell, first: Cell | None, nodes: int | None) -> tuple[str, str] | None:
+    """(why, the field) of :func:`check_runnable`'s first objection to ``cell``, or None."""
+    t = cell.config.train
+    if why := memory_problem(cell.config):
+        return why, "train.gpu_memory_gib"
+    if nodes is None and first is not None and t.num_nodes != first.config.train.num_nodes:
+        return (
+            f"num_nodes = {t.num_nodes}, but row '{first.row.id}' has {first.config.train.num_nodes}: "
+            "a sweep's cluster jobs have one size; sweep them apart (ROWS=)"
+        ), "train.num_nodes"
+    if nodes is not None and t.num_nodes > 1 and t.num_nodes != nodes:
+        return (
+            f"num_nodes = {t.num_nodes}: a cell on several machines trains in a cluster job of as "
+            "many nodes (LAUNCHER=slurm, or submitit-local to try it here)"
+        ), "train.num_nodes"
+    return None
 
 
 def placement_change(run: Any, cell: Cell) -> str:
@@ -68,7 +68,9 @@ def placement_change(run: Any, cell: Cell) -> str:
     moved = [
         f"train.{key} {params[f'train.{key}']} -> {getattr(train, key)}"
         for key in TrainConfig.PLACEMENT
-        if f"train.{key}" in params and params[f"train.{key}"] != str(getattr(train, key))
+        if key != "gpu_memory_gib"  # a budget the plan is checked against, not how a step is summed
+        and f"train.{key}" in params
+        and params[f"train.{key}"] != str(getattr(train, key))
     ]
     had, has = run.data.tags.get(N.PRECISION_TAG), auto_precision(train.precision)
     if had is not None and had != has:  # `auto` resolves by machine: fp32 here, bf16 on a GPU

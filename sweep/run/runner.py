@@ -166,8 +166,8 @@ def claim_run(
         )
         return claim
     for stale in checkpoints.glob("step*.ckpt*"):
-        if stale not in (resume_from, sum_file(resume_from)):
-            stale.unlink()
+        if stale not in (resume_from, sum_file(resume_from)):  # a sharded run's are folders
+            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
     replayed = logged_steps(tracker.client, old_id)
     tracker.client.set_tag(old_id, WORKER_TAG, worker_name())
     tracker.reopen(old_id)
