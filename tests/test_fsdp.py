@@ -315,7 +315,8 @@ def test_the_slurm_job_layout_gives_each_rank_the_place_slurms_variables_say(
     cfg = sharded(one_cfg, devices=1, num_nodes=2, checkpoint_every=0)
     two = launch(placed, 1, cfg, tmp_path / "two", tmp_path / "two.ckpt", nodes=2)
     argv = json.loads((tmp_path / "srun.json").read_text())
-    assert argv[:4] == ["--overlap", "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    # --mem=0: the job's memory too, on clusters that track it (docs/cluster.md)
+    assert argv[:5] == ["--overlap", "--mem=0", "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     assert {"--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d"} <= set(argv)
     (endpoint,) = [a.split("=", 1)[1] for a in argv if a.startswith("--rdzv-endpoint=")]
     assert endpoint.rsplit(":", 1)[0] == socket.gethostname()  # task 0's host: this worker's
