@@ -45,7 +45,10 @@ from tools.slurm_case import Case, first_checkpoint, job_of, releasing, slurm, v
 from tools.slurm_cluster import ClusterError, install, interrupt, running
 
 STEPS = 600  # a cell of some seconds: long enough to stop after its first checkpoint
-LONG_STEPS = 16000  # the time-limit case's cell: longer than the 90 s a 3-minute job trains here
+#: The time-limit case's cell: longer than the 90 s a 3-minute job trains before its warning, on a
+#: quiet machine too (16,000 steps took 70 s on a quiet CI machine: the job ended unwarned), and
+#: short enough under load for the three requeues submitit allows.
+LONG_STEPS = 32000
 #: The servers check's grid, its two first rows (``STEPS`` steps, a checkpoint every 20).
 GRID = (
     SERVERS_GRID.replace("name: servers", "name: slurm")
