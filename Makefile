@@ -100,7 +100,7 @@ Checks and benchmarks
   lint            ruff check and ruff format --check
   golden          rewrite tests/golden/micro.json (bump NUMBERS_VERSION first)
   throughput      tokens/s of each row, the harness against a bare loop (old names: bench, bench-moe)
-  corpus-bench    a JSON-lines build (MB, 200) beside a bare tiktoken loop: MB/s, ratio, memory
+  corpus-bench    a JSON-lines build (MB, 200; JSONL, AGAINST) beside a bare tiktoken loop: MB/s, ratio, memory
   gpu-check       on a GPU: kernel parity, host syncs, small's tokens/s, MFU and memory, packing
   ui-check        the UI in headless Chromium, with a screenshot
   servers-setup   install PostgreSQL's server and psycopg
@@ -169,9 +169,10 @@ tokenizer-neox: $(STAMP)
 
 # a streaming build of a JSON-lines file (MB=200 by default, about 3 min) against a bare tiktoken loop
 # on the same file, in one run: MB/s, their ratio, peak memory; the HF tokenizers build gives the same
-# bytes; kill -9 then rerun gives the same bytes (tools/corpus_bench.py; run it alone)
+# bytes; kill -9 then rerun gives the same bytes (tools/corpus_bench.py; run it alone). JSONL=file
+# benches your own JSON lines; AGAINST=checkout times an older commit's build beside this one
 corpus-bench: $(STAMP)
-	$(PY) -m tools.corpus_bench $(if $(MB),--mb $(MB))
+	$(PY) -m tools.corpus_bench $(if $(MB),--mb $(MB)) $(if $(JSONL),--file $(JSONL)) $(if $(AGAINST),--against $(AGAINST))
 
 # grids/own_data.yaml's files: a JSON-lines and a Parquet file written from two package sources
 example-data: $(STAMP)

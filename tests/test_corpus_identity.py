@@ -22,7 +22,7 @@ import sweep.report.budget as budget
 from experiments import corpus as C
 from experiments.config import DataConfig, from_dict
 from experiments.corpus.bpe import train_bpe
-from experiments.corpus.limits import longest_line
+from experiments.corpus.limits import has_line_over, longest_line
 from sweep.cli import main
 from sweep.grid import load_grid
 from tests.support import ROOT
@@ -197,6 +197,20 @@ def test_a_truncating_or_padding_tokenizer_gives_the_plain_files_tokens(tmp_path
     assert any(
         "its padding (length 512, pad_token <|endoftext|>) is off for the build" in line for line in lines
     )
+
+
+def test_the_quick_bound_check_agrees_with_the_longest_line(tmp_path: Path) -> None:
+    # has_line_over skips through the file by windows of bound + 1 bytes; longest_line reads it all.
+    rng = random.Random(0)
+    for case in range(40):
+        lengths = [rng.choice([0, 1, 5, 30, 64, 65, 200]) for _ in range(rng.randint(1, 30))]
+        body = b"\n".join(b"x" * n for n in lengths) + (b"\n" if case % 2 else b"")  # last line ended or not
+        path = tmp_path / f"{case}.jsonl"
+        path.write_bytes(body)
+        longest = longest_line(path)[1]
+        assert longest == max(lengths)
+        for bound in (1, 29, 30, 31, 64, 65, 199, 200, 201):
+            assert has_line_over(path, bound) == (longest > bound), (lengths, bound)
 
 
 def test_a_document_over_the_bound_is_refused_in_one_line_before_or_as_it_is_read(tmp_path: Path) -> None:

@@ -12,12 +12,17 @@ Zipf-distributed) and trains a byte-level BPE on its first 20 MB, then, each in 
 3. the build that also trains its BPE (``data.tokenizer`` unset), end to end;
 4. a build killed with SIGKILL after ``--kill-after`` seconds, run again: its token files against
    the first build's.
+``--file`` benches a JSON-lines file of your own (``{"text": ...}`` lines) instead of the made-up
+one. ``--against CHECKOUT`` adds, in every round, the build of another checkout of this project (an
+older commit) on the same file with the same BPE: its MB/s, this build's speed over it, and whether
+their token files are identical.
 Figures, not assertions: a slower or busier machine prints larger seconds. Run it alone (2 cores).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import json
 import os
@@ -60,6 +65,13 @@ with open(sys.argv[1], encoding="utf-8") as src, open(sys.argv[3], "wb") as out:
             out.write(ids[np.asarray(doc, dtype=np.int64)].astype(np.uint16).tobytes())
 """
 
+_TRAIN = """
+import sys
+from pathlib import Path
+from tools.corpus_bench import train_tokenizer
+train_tokenizer(Path(sys.argv[1]), Path(sys.argv[2]))
+"""
+
 
 def write_jsonl(path: Path, megabytes: int, seed: int = 0) -> int:
     """Write about ``megabytes`` MB of ``{"text": ...}`` lines; return the documents written."""
@@ -78,12 +90,19 @@ def write_jsonl(path: Path, megabytes: int, seed: int = 0) -> int:
     return docs
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
 def child(script: str, args: list[str], kill_after: float | None = None, env: dict | None = None,
-          quiet: bool = False) -> tuple[float, int, bool]:  # fmt: skip
-    """Run ``script`` in a child; return (seconds, its peak RSS in MB, whether it was killed)."""
+          root: Path = ROOT) -> tuple[float, int, bool]:  # fmt: skip
+    """Run ``script`` in a child that imports this project from ``root`` (its working folder, which
+    ``python -c`` puts first on ``sys.path``); return (seconds, its peak RSS in MB, whether it was
+    killed)."""
     cmd = [sys.executable, "-c", script, *args]
+    env = {**(os.environ if env is None else env), "PYTHONPATH": str(root)}
+    os.sync()  # the last child's written files go to disk now, not during this one's time
     t0 = time.perf_counter()
-    child = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL if quiet else None)
+    child = subprocess.Popen(cmd, env=env, cwd=root)
     killed = False
     while True:  # reaped by wait4 alone, which also gives the child's peak memory
         pid, status, usage = os.wait4(child.pid, os.WNOHANG)
@@ -100,15 +119,25 @@ def child(script: str, args: list[str], kill_after: float | None = None, env: di
 
 
 def build(data: Path, cache: Path, tokenizer: Path | None, kill_after: float | None = None,
-          encoder: str | None = None) -> tuple[float, int, bool]:  # fmt: skip
-    """One build in a child (``encoder="tokenizers"`` forces the fallback): (seconds, peak RSS MB, killed)."""
+          encoder: str | None = None, root: Path = ROOT) -> tuple[float, int, bool]:  # fmt: skip
+    """One build in a child (``encoder="tokenizers"`` forces the fallback; ``root`` is the checkout
+    whose code builds): (seconds, peak RSS MB, killed)."""
     env = {**os.environ, **({"GATED_ATTN_ENCODER": encoder} if encoder else {})}
-    return child(_BUILD, [str(data), str(cache), str(tokenizer or "-")], kill_after, env)
+    return child(_BUILD, [str(data), str(cache), str(tokenizer or "-")], kill_after, env, root=root)
 
 
-def token_files(cache: Path) -> dict[str, bytes]:
+def token_files(cache: Path) -> dict[str, str]:
+    """Each token file of the build in ``cache`` by its sha256 (streamed: the driver stays small, as
+    its size would show in the peak RSS of the children it starts)."""
     (root,) = cache.glob("corpus-*")
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*.bin"))}
+    digests = {}
+    for path in sorted(root.rglob("*.bin")):
+        digest = hashlib.sha256()
+        with open(path, "rb") as fh:
+            while block := fh.read(1 << 24):
+                digest.update(block)
+        digests[str(path.relative_to(root))] = digest.hexdigest()
+    return digests
 
 
 def train_tokenizer(data: Path, target: Path, chars: int = 20_000_000) -> float:
@@ -135,20 +164,36 @@ def main(argv: list[str] | None = None) -> int:
         "--kill-after", type=float, default=None, help="seconds before the SIGKILL (default: half a build)"
     )
     p.add_argument("--dir", default=None, help="work folder (default: a temporary one, removed)")
+    p.add_argument("--file", default=None, help='bench this JSON-lines file ({"text": ...} lines) instead')
+    p.add_argument("--against", default=None, help="another checkout of this project whose build to time too")
     args = p.parse_args(argv)
     if args.dir is not None and not Path(args.dir).is_dir():
         p.error(f"--dir {args.dir}: no such folder")
+    if args.file is not None and not Path(args.file).is_file():
+        p.error(f"--file {args.file}: no such file")
+    against = Path(args.against).resolve() if args.against else None
+    if against is not None and not (against / "experiments" / "corpus").is_dir():
+        p.error(f"--against {args.against}: not a checkout of this project (no experiments/corpus)")
     if args.mb < 1 or args.rounds < 1:
         p.error(f"--mb and --rounds must be at least 1, got {args.mb} and {args.rounds}")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         work = Path(tmp)
         data, tok = work / "web.jsonl", work / "tokenizer.json"
-        t0 = time.perf_counter()
-        docs = write_jsonl(data, args.mb)
+        if args.file is None:
+            t0 = time.perf_counter()
+            docs, secs = write_jsonl(data, args.mb), time.perf_counter() - t0
+            print(
+                f"wrote {data.name}: {data.stat().st_size / 1e6:.0f} MB, {docs:,} documents in {secs:.0f} s"
+            )
+        else:
+            data = Path(args.file).resolve()
+            print(f"benching {data}: {data.stat().st_size / 1e6:.0f} MB")
         mb = data.stat().st_size / 1e6
-        print(f"wrote {data.name}: {mb:.0f} MB, {docs:,} documents in {time.perf_counter() - t0:.0f} s")
-        print(f"trained the bench's BPE (4,096 ids) on its first 20 MB in {train_tokenizer(data, tok):.1f} s")
-        ratios, fastest = [], float("inf")
+        # In a child: the trainer's memory would stay in this driver, and a child started by a large
+        # process reports that process's size as its own peak RSS.
+        trained, _, _ = child(_TRAIN, [str(data), str(tok)])
+        print(f"trained the bench's BPE (4,096 ids) on its first 20 MB in {trained:.1f} s")
+        ratios, speedups, agree, fastest = [], [], True, float("inf")
         for r in range(1, args.rounds + 1):
             bare, bare_rss, _ = child(_BARE, [str(data), str(tok), str(work / "bare.bin")])
             secs, rss, _ = build(data, work / f"round{r}", tok)
@@ -158,7 +203,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"round {r}: bare tiktoken loop {mb / bare:.1f} MB/s (peak RSS {bare_rss} MB); "
                 f"build {mb / secs:.1f} MB/s (peak RSS {rss} MB); build / bare {bare / secs:.2f}"
             )
+            if against is not None:
+                old, old_rss, _ = build(data, work / f"against{r}", tok, root=against)
+                speedups.append(old / secs)
+                agree = agree and token_files(work / f"against{r}") == token_files(work / f"round{r}")
+                print(
+                    f"round {r}: {against.name}'s build {mb / old:.1f} MB/s (peak RSS {old_rss} MB); "
+                    f"this build is {old / secs:.2f}x faster; token files identical: {agree}"
+                )
         print(f"build / bare tiktoken loop, the rounds' mean: {sum(ratios) / len(ratios):.2f}")
+        if speedups:
+            print(f"build / {against.name}'s build, the rounds' mean: {sum(speedups) / len(speedups):.2f}x")
         hf, hf_rss, _ = build(data, work / "hf", tok, encoder="tokenizers")
         same = token_files(work / "round1") == token_files(work / "hf")
         print(
@@ -175,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rerun after the kill: {again:.0f} s, peak RSS {again_rss} MB; token files identical: {kept}")
         self_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
         print(f"(this driver's own peak RSS: {self_rss} MB)")
-        return 0 if same and kept else 1
+        return 0 if same and kept and agree else 1
 
 
 if __name__ == "__main__":

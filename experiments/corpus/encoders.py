@@ -9,6 +9,7 @@ Both encoders take a batch of texts and give ``(ids, lengths)``: the texts' ids 
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 from array import array
@@ -93,8 +94,14 @@ class TiktokenEncoder:
 
     def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """The texts' ids and counts (see the module docstring)."""
-        step = max(1, -(-len(texts) // (4 * self.threads)))  # a few chunks a thread evens out their sizes
-        chunks = list(self.pool.map(self._chunk, [texts[i : i + step] for i in range(0, len(texts), step)]))
+        # A few chunks a thread, cut at equal shares of the characters: a batch may hold one large
+        # document among many small ones (a corpus of whole source files).
+        sizes = np.cumsum([len(text) for text in texts])
+        parts = 4 * self.threads
+        cuts = np.searchsorted(sizes, sizes[-1] * np.arange(1, parts) / parts, side="right") if texts else []
+        bounds = sorted({0, *map(int, cuts), len(texts)})
+        pieces = [texts[a:b] for a, b in zip(bounds, bounds[1:])]
+        chunks = list(self.pool.map(self._chunk, pieces))
         flat, lengths = _joined(chunks)
         return self.lut[flat], lengths
 
@@ -163,46 +170,54 @@ def document_encoder(
 class SampleCheck:
     """``encoder`` with its ids compared with ``tokenizers``' own on a sample of the documents: the
     first :data:`CHECK_FIRST` and one in every :data:`CHECK_EVERY` after them (``tokenizers`` is
-    several times slower: the sample costs about 2 % of tiktoken's time)."""
+    several times slower: the sample costs about 2 % of tiktoken's time). Documents are numbered
+    by :meth:`reserve`, in the build's order, so batches may be encoded out of order."""
 
     def __init__(self, encoder: DocumentEncoder, reference: TokenizersEncoder) -> None:
         self.encoder, self.reference, self.seen = encoder, reference, 0
 
-    def encode(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        """The texts' ids and counts (see the module docstring).
+    def reserve(self, count: int) -> int:
+        """The build's number of the first of the next ``count`` documents."""
+        self.seen += count
+        return self.seen - count
+
+    def encode(self, texts: Sequence[str], first: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The texts' ids and counts (see the module docstring); ``first`` is the number
+        :meth:`reserve` gave ``texts[0]`` (by default the next one).
 
         Raises:
             Mismatch: tiktoken and ``tokenizers`` differ on a sampled document.
         """
+        first = self.reserve(len(texts)) if first is None else first
         flat, lengths = self.encoder.encode(texts)
         if self.encoder.engine != self.reference.engine:
             ends = np.cumsum(lengths)
-            at = [i for i in range(len(texts)) if (n := self.seen + i) < CHECK_FIRST or n % CHECK_EVERY == 0]
+            at = [i for i in range(len(texts)) if (n := first + i) < CHECK_FIRST or n % CHECK_EVERY == 0]
             theirs, counts = self.reference.encode([texts[i] for i in at])
             for i, mine in zip(at, np.split(theirs, np.cumsum(counts)[:-1])):
                 if not np.array_equal(flat[ends[i] - lengths[i] : ends[i]], mine):
-                    raise Mismatch(
-                        f"tiktoken and tokenizers differ on document {self.seen + i:,} of the build"
-                    )
-        self.seen += len(texts)
+                    raise Mismatch(f"tiktoken and tokenizers differ on document {first + i:,} of the build")
         return flat, lengths
 
 
 def pipelined(
-    batches: Iterable[Batch], encode: Callable[[Batch], tuple[np.ndarray, np.ndarray]]
+    batches: Iterable[Batch], encode: Callable[[Batch], tuple[np.ndarray, np.ndarray]], ahead: int = 2
 ) -> Iterator[tuple[Batch, tuple[np.ndarray, np.ndarray]]]:
-    """Each batch with ``encode(batch)``, the next batch's encoding started before this one is handed
-    over: the encoder's threads work while the caller writes (and while the sample is checked).
+    """Each batch with ``encode(batch)``, in order, up to ``ahead`` batches' encodings started before
+    this one is handed over: the encoder's threads work while the caller writes, while the sample is
+    checked, and while the last chunk of a batch ends (two batches in flight keep both threads of a
+    2-core machine busy where one left a thread idle at each batch's end).
 
     Raises:
         Mismatch: as ``encode``, when the batch it concerns is reached.
     """
-    with ThreadPoolExecutor(1, thread_name_prefix="encode-ahead") as ahead:
-        pending: tuple[Batch, Any] | None = None
+    with ThreadPoolExecutor(ahead, thread_name_prefix="encode-ahead") as pool:
+        pending: collections.deque[tuple[Batch, Any]] = collections.deque()
         for batch in batches:
-            job = ahead.submit(encode, batch)
-            if pending is not None:
-                yield pending[0], pending[1].result()
-            pending = (batch, job)
-        if pending is not None:
-            yield pending[0], pending[1].result()
+            pending.append((batch, pool.submit(encode, batch)))
+            if len(pending) > ahead:
+                done, job = pending.popleft()
+                yield done, job.result()
+        while pending:
+            done, job = pending.popleft()
+            yield done, job.result()

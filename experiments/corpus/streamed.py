@@ -217,17 +217,10 @@ def _encode_source(
     chars = seen = 0
     token_cap = spec.max_tokens or float("inf")
     char_cap = cfg.max_chars_per_source if spec.kind == "package" else float("inf")  # files, hub: max_tokens
-    encode = lambda batch: encoder.encode(batch[1])  # noqa: E731
-    for (batch, texts), (flat, lengths) in pipelined(
-        _texts(
-            prefetch.batches(
-                spec, downloads, _BATCH_CHARS, seen=met[domain], max_bytes=cfg.max_document_bytes
-            ),
-            spec,
-            cfg,
-        ),
-        encode,
-    ):
+    read = prefetch.batches(spec, downloads, _BATCH_CHARS, seen=met[domain], max_bytes=cfg.max_document_bytes)
+    numbered = ((batch, texts, encoder.reserve(len(texts))) for batch, texts in _texts(read, spec, cfg))
+    encode = lambda job: encoder.encode(job[1], job[2])  # noqa: E731
+    for (batch, texts, _), (flat, lengths) in pipelined(numbered, encode):
         ends = np.cumsum(lengths)
         ends_eos = (lengths > 0) & (flat[np.maximum(ends - 1, 0)] == eos_id) if flat.size else lengths < 0
         tokens = lengths + ~ends_eos  # the post-processor may have ended it with eos already

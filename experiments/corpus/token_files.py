@@ -59,8 +59,9 @@ def _encode_docs(
     """Append each document's ids and an eos to ``fh``, count them per (source, split); return the total."""
     total = 0
     # Whole documents, not lines: the pre-tokenizer's whitespace runs cross line ends.
-    encode = lambda batch: check.encode([doc.text for doc in batch])  # noqa: E731
-    for batch, (flat, lengths) in pipelined(_batches(docs, _BATCH_CHARS), encode):
+    numbered = ((batch, check.reserve(len(batch))) for batch in _batches(docs, _BATCH_CHARS))
+    encode = lambda job: check.encode([doc.text for doc in job[0]], job[1])  # noqa: E731
+    for (batch, _), (flat, lengths) in pipelined(numbered, encode):
         flat = np.insert(flat, np.cumsum(lengths), eos_id)  # each document, then eos
         fh.write(flat.astype(dtype).tobytes())  # not ndarray.tofile: its full-disk error has no errno
         names = np.array([doc.source for doc in batch])
