@@ -13,7 +13,7 @@
 #            a sweep into an MLflow server or database, MLFLOW_TRACKING_URI, must give it)
 #   LAUNCHER local (worker processes here) | slurm (one SLURM job per worker, through submitit; needs
 #            WORKERS=N) | submitit-local (the slurm path on this machine); docs/cluster.md
-#   PARTITION, GPUS_PER_WORKER (1), CPUS_PER_WORKER (8), TIME_LIMIT (minutes per job, 240): the jobs
+#   PARTITION, GPUS_PER_WORKER (the cells' train.devices), CPUS_PER_WORKER (8), TIME_LIMIT (minutes per job, 240): the jobs
 #   SYSTEM_METRICS 0 turns off MLflow's system metrics (CPU, memory, GPU) in the cells' runs
 #   CPU_ARITH native: the CPU's own fastest kernels instead of the pinned arithmetic that gives the
 #            same numbers on every Intel machine of its class (experiments/numerics.py; docs/reproducing.md)
@@ -37,7 +37,7 @@ STORAGE ?= $(GATED_ATTN_STORAGE)
 export GATED_ATTN_STORAGE := $(STORAGE)
 LAUNCHER ?= local
 PARTITION ?=
-GPUS_PER_WORKER ?= 1
+GPUS_PER_WORKER ?=
 CPUS_PER_WORKER ?= 8
 TIME_LIMIT ?= 240
 SYSTEM_METRICS ?= 1
@@ -56,7 +56,7 @@ VENV := .venv
 PY   := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 LAUNCH := $(if $(filter-out local,$(LAUNCHER)),--launcher '$(LAUNCHER)' $(if $(PARTITION),--partition '$(PARTITION)') \
-	--gpus-per-worker $(GPUS_PER_WORKER) --cpus-per-worker $(CPUS_PER_WORKER) --time-limit $(TIME_LIMIT))
+	$(if $(GPUS_PER_WORKER),--gpus-per-worker $(GPUS_PER_WORKER)) --cpus-per-worker $(CPUS_PER_WORKER) --time-limit $(TIME_LIMIT))
 # SYSTEM_METRICS=0: for every target that trains (sweep, tune, stability), and the jobs it starts
 ifeq ($(SYSTEM_METRICS),0)
 export SWEEP_SYSTEM_METRICS := 0

@@ -175,7 +175,8 @@ def _main(argv: list[str] | None) -> int:
         started = time.perf_counter()
         if args.command == "worker":
             return _worker(args, grid, cells, results, cache)
-        launch = launcher_for(args, max(c.config.train.num_nodes for c in cells))  # one line if unusable
+        train = [c.config.train for c in cells]  # a launcher that cannot serve them: one line
+        launch = launcher_for(args, max(t.num_nodes for t in train), max(t.devices for t in train))
         from sweep.run.gpus import sweep_workers
 
         args.workers = sweep_workers(args.workers, cells, args.cells_per_gpu, local=launch is None)

@@ -23,7 +23,14 @@ from sweep.grid import load_grid
 from sweep.run import slurm_jobs
 from sweep.run.queue import enqueue_cells, open_queue
 from sweep.run.runner import prepare_sweep
-from sweep.run.slurm import SIGNAL_MARGIN_S, ClusterSettings, LauncherError, SubmititLauncher, make_executor
+from sweep.run.slurm import (
+    SIGNAL_MARGIN_S,
+    ClusterSettings,
+    LauncherError,
+    SubmititLauncher,
+    gpus_per_job,
+    make_executor,
+)
 from sweep.signals import StopRequest
 from sweep.studies import storage_url
 from tests.support import (
@@ -182,6 +189,29 @@ def test_a_two_node_job_asks_slurm_for_two_nodes_of_one_task(tmp_path: Path, mon
     script = executor._executor._make_submission_file_text("python -m sweep.cli worker", "uid")
     for flag in ("--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=8"):
         assert f"#SBATCH {flag}" in script
+
+
+def test_a_job_gets_a_gpu_for_each_rank_of_its_cells() -> None:
+    assert gpus_per_job(None, 8) == 8  # GPUS_PER_WORKER unset: the cells' train.devices
+    assert gpus_per_job(None, 1) == 1
+    assert gpus_per_job(0, 8) == 0  # no GPUs asked for: gloo ranks on CPUs
+    assert gpus_per_job(8, 8) == 8 and gpus_per_job(16, 8) == 16
+    with pytest.raises(LauncherError, match=r"^--gpus-per-worker 4: the cells train on 8 devices a node"):
+        gpus_per_job(4, 8)
+
+
+def test_the_paper_rows_on_one_gpu_a_job_are_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # Table 1's paper rows train on 8 GPUs a node: a job of one GPU would put 8 ranks on it.
+    args = ["sweep", "--grid", str(ROOT / "grids" / "table1.yaml"), "--scale", "paper", "--launcher", "slurm"]
+    code = main([*args, "--workers", "2", "--gpus-per-worker", "1", "--results", str(tmp_path / "r")])
+    assert code == 2
+    assert capsys.readouterr().err == (
+        "error: --gpus-per-worker 1: the cells train on 8 devices a node (train.devices), one GPU a rank: "
+        "give GPUS_PER_WORKER=8, or leave it unset\n"
+    )
+    assert not any((tmp_path / "r").rglob("*.db"))
 
 
 def test_a_cell_on_two_nodes_is_refused_without_a_cluster_launcher(

@@ -72,7 +72,7 @@ class ClusterSettings:
     launcher: str = "slurm"  # "slurm" or "submitit-local"
     folder: Path = Path("results/slurm")  # submitit's job files and logs, one folder per job
     partition: str | None = None  # PARTITION
-    gpus_per_worker: int = 1  # GPUS_PER_WORKER
+    gpus_per_worker: int = 1  # GPUS_PER_WORKER, by default the cells' train.devices
     cpus_per_worker: int = 8  # CPUS_PER_WORKER: data loading, the corpus build, the probes
     time_limit_min: int = 240  # TIME_LIMIT, minutes per job (a requeued job starts a new one)
     max_timeouts: int = 3  # requeues after a time limit before a job is left ended
@@ -244,7 +244,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "submitit-local: the slurm path run on this machine",
     )
     parser.add_argument("--partition", default=None, help="SLURM partition (default: the cluster's)")
-    parser.add_argument("--gpus-per-worker", type=int, default=default.gpus_per_worker, help="GPUs per job")
+    parser.add_argument(
+        "--gpus-per-worker",
+        type=int,
+        default=None,
+        help="GPUs per job and node (default: the cells' train.devices)",
+    )
     parser.add_argument("--cpus-per-worker", type=int, default=default.cpus_per_worker, help="CPUs per job")
     parser.add_argument(
         "--time-limit", type=int, default=default.time_limit_min, help="minutes per job (then requeued)"
@@ -269,11 +274,29 @@ def check_time_limit(minutes: int) -> None:
         )
 
 
-def launcher_for(args: argparse.Namespace, nodes: int = 1) -> SubmititLauncher | None:
-    """The launcher the flags ask for, its jobs of ``nodes`` nodes; None for local processes.
+def gpus_per_job(asked: int | None, devices: int) -> int:
+    """GPUs per node of each job: ``asked`` (``GPUS_PER_WORKER``), else the cells' ``train.devices``
+    (their ranks per node). 0 asks for none (a CPU cluster: the ranks use gloo).
 
     Raises:
-        LauncherError: see :func:`make_executor`.
+        LauncherError: ``asked`` is between 1 and ``devices``: the ranks of a cell would share GPUs.
+    """
+    if asked is None:
+        return devices
+    if 0 < asked < devices:
+        raise LauncherError(
+            f"--gpus-per-worker {asked}: the cells train on {devices} devices a node (train.devices), "
+            f"one GPU a rank: give GPUS_PER_WORKER={devices}, or leave it unset"
+        )
+    return asked
+
+
+def launcher_for(args: argparse.Namespace, nodes: int = 1, devices: int = 1) -> SubmititLauncher | None:
+    """The launcher the flags ask for, its jobs of ``nodes`` nodes of :func:`gpus_per_job` GPUs
+    for cells of ``devices`` ranks a node; None for local processes.
+
+    Raises:
+        LauncherError: see :func:`make_executor` and :func:`gpus_per_job`.
     """
     if args.launcher == "local":
         return None
@@ -281,7 +304,7 @@ def launcher_for(args: argparse.Namespace, nodes: int = 1) -> SubmititLauncher |
         launcher=args.launcher,
         folder=Path(args.results) / "slurm",
         partition=args.partition,
-        gpus_per_worker=args.gpus_per_worker,
+        gpus_per_worker=gpus_per_job(args.gpus_per_worker, devices),
         cpus_per_worker=args.cpus_per_worker,
         time_limit_min=args.time_limit,
         nodes=nodes,
