@@ -263,12 +263,14 @@ def test_a_split_too_small_for_a_window_is_refused_by_make_data_before_anything_
 ) -> None:
     source = _jsonl(
         tmp_path / "data" / "web.jsonl", [f"note {i} of the day" for i in range(60)]
-    )  # ~6 tokens each
+    )  # ~7 tokens each with their eos, ~420 in all
     grid = _micro_grid(tmp_path, source)
+    # Which documents fall in val depends on the file's path (the split hashes the source's label):
+    # a window of 241 tokens needs 35 of the 60 in val, where 0.2 of them (12) is expected.
     text = (
         grid.read_text()
-        .replace("seq_len: 32,", "seq_len: 120,")
-        .replace("max_seq_len: 32", "max_seq_len: 120")
+        .replace("seq_len: 32,", "seq_len: 240,")
+        .replace("max_seq_len: 32", "max_seq_len: 240")
     )
     grid.write_text(text)
     results = tmp_path / "results"
@@ -279,7 +281,7 @@ def test_a_split_too_small_for_a_window_is_refused_by_make_data_before_anything_
             len(err.splitlines()) == 1
             and "row 'baseline': train.seq_len: the val split of domain 'web' holds" in err
         )
-        assert "a window of seq_len 120 needs 121; give the domain more documents" in err
+        assert "a window of seq_len 240 needs 241; give the domain more documents" in err
     assert not _finished_any(results)
 
 
