@@ -16,6 +16,7 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 CHECKSUMS = "checksums.json"
 _CHUNK = 1 << 22  # 4 MiB reads keep memory flat on a corpus of any size
@@ -28,13 +29,17 @@ class Damaged(RuntimeError):
     """A file of a built folder differs from what was built: the machine's state, not the input."""
 
 
-def file_sha256(path: Path) -> str:
-    """Hex sha256 of a file's bytes, read in chunks."""
-    digest = hashlib.sha256()
+def hash_file(digest: Any, path: Path) -> Any:
+    """``digest`` (a ``hashlib`` object) updated with the bytes of ``path``, read in chunks; returned."""
     with open(path, "rb") as fh:
         while chunk := fh.read(_CHUNK):
             digest.update(chunk)
-    return digest.hexdigest()
+    return digest
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file's bytes, read in chunks."""
+    return hash_file(hashlib.sha256(), path).hexdigest()
 
 
 def _files(root: Path) -> list[str]:

@@ -22,7 +22,6 @@ Figures, not assertions: a slower or busier machine prints larger seconds. Run i
 from __future__ import annotations
 
 import argparse
-import hashlib
 import itertools
 import json
 import os
@@ -129,15 +128,10 @@ def build(data: Path, cache: Path, tokenizer: Path | None, kill_after: float | N
 def token_files(cache: Path) -> dict[str, str]:
     """Each token file of the build in ``cache`` by its sha256 (streamed: the driver stays small, as
     its size would show in the peak RSS of the children it starts)."""
+    from experiments.checksums import file_sha256
+
     (root,) = cache.glob("corpus-*")
-    digests = {}
-    for path in sorted(root.rglob("*.bin")):
-        digest = hashlib.sha256()
-        with open(path, "rb") as fh:
-            while block := fh.read(1 << 24):
-                digest.update(block)
-        digests[str(path.relative_to(root))] = digest.hexdigest()
-    return digests
+    return {str(p.relative_to(root)): file_sha256(p) for p in sorted(root.rglob("*.bin"))}
 
 
 def train_tokenizer(data: Path, target: Path, chars: int = 20_000_000) -> float:

@@ -22,7 +22,7 @@ import numpy as np
 import experiments.corpus.backcopy as backcopy
 import experiments.corpus.sources as sources
 import experiments.corpus.streamed as streamed
-from experiments.checksums import require_recorded, verify, write_checksums
+from experiments.checksums import file_sha256, require_recorded, verify, write_checksums
 from experiments.config import DataConfig, identity_dict, to_dict
 from experiments.corpus.bpe import train_bpe
 from experiments.corpus.encoders import Mismatch, TokenizersEncoder, document_encoder
@@ -262,7 +262,7 @@ def _load_source(name: str, max_chars: int, downloads: Path, log: Callable[[str]
             if text.strip():  # a whitespace-only document would be a lone eos
                 key = hashlib.sha256(f"{name}/{doc_id}".encode()).hexdigest()
                 docs.append(_Doc(name, doc_id, text, key))
-        sha = sources.file_sha256(archive) if archive is not None else digest.hexdigest()
+        sha = file_sha256(archive) if archive is not None else digest.hexdigest()
     except CorpusError:
         raise
     except Exception as err:  # any extractor failure becomes one line naming the source

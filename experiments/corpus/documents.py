@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import experiments.checksums as checksums
 import experiments.corpus.sources as sources
 from experiments.corpus.limits import JSON_LINES, check_before_reading, first_bad_line
 from experiments.corpus.reader import CorpusError
@@ -100,7 +101,7 @@ class SeenFiles:
 
     def _digest(self, path: Path) -> str:
         if path not in self.digests:
-            self.digests[path] = sources.file_sha256(path)
+            self.digests[path] = checksums.file_sha256(path)
         return self.digests[path]
 
     def first_time(self, path: Path) -> bool:
@@ -339,7 +340,7 @@ def file_sha256(paths: list[Path]) -> str:
     root = common_root(paths)
     for path in paths:
         digest.update(f"{path.relative_to(root).as_posix()}\0".encode())
-        sources.hash_file(digest, path)
+        checksums.hash_file(digest, path)
     return digest.hexdigest()
 
 

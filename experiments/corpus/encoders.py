@@ -181,14 +181,13 @@ class SampleCheck:
         self.seen += count
         return self.seen - count
 
-    def encode(self, texts: Sequence[str], first: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def encode(self, texts: Sequence[str], first: int) -> tuple[np.ndarray, np.ndarray]:
         """The texts' ids and counts (see the module docstring); ``first`` is the number
-        :meth:`reserve` gave ``texts[0]`` (by default the next one).
+        :meth:`reserve` gave ``texts[0]``.
 
         Raises:
             Mismatch: tiktoken and ``tokenizers`` differ on a sampled document.
         """
-        first = self.reserve(len(texts)) if first is None else first
         flat, lengths = self.encoder.encode(texts)
         if self.encoder.engine != self.reference.engine:
             ends = np.cumsum(lengths)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import experiments.corpus.documents as D
-import experiments.corpus.sources as sources
+from experiments.checksums import file_sha256
 from experiments.config import DataConfig
 
 
@@ -63,7 +63,7 @@ def changed_input(cfg: DataConfig, manifest: dict[str, Any], record: Path) -> st
         verified[key] = stamps
     if changed is None and cfg.tokenizer is not None:
         path = Path(cfg.tokenizer.file).expanduser()
-        if not path.is_file() or sources.file_sha256(path) != manifest["tokenizer"].get("sha256"):
+        if not path.is_file() or file_sha256(path) != manifest["tokenizer"].get("sha256"):
             changed = f"tokenizer {path}"
     try:
         tmp = record.with_name(f"{record.name}.tmp-{os.getpid()}")

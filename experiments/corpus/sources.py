@@ -8,7 +8,6 @@ it, so a corpus built without a domain is never taken for one built with it."""
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -25,9 +24,9 @@ import zipfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import experiments.corpus.archives as archives
+from experiments.checksums import file_sha256
 from experiments.corpus.reader import CorpusError
 
 
@@ -326,19 +325,6 @@ def unavailable(names: Iterable[str]) -> list[str]:
     """The sources among ``names`` that cannot be fetched here because their tool is missing
     (checked without fetching anything): the same answer on every call on one machine."""
     return [n for n in names if (src := SOURCES.get(n)) and src.tool and shutil.which(src.tool) is None]
-
-
-def file_sha256(path: Path) -> str:
-    """The sha256 of one file's bytes (hex)."""
-    return hash_file(hashlib.sha256(), path).hexdigest()
-
-
-def hash_file(digest: Any, path: Path) -> Any:
-    """``digest`` updated with the bytes of ``path``, read 1 MiB at a time; returned."""
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest
 
 
 def available(

@@ -23,6 +23,7 @@ from tokenizers import Tokenizer
 import experiments.corpus.documents as D
 import experiments.corpus.prefetch as prefetch
 import experiments.corpus.sources as sources
+from experiments.checksums import file_sha256
 from experiments.config import DataConfig, to_dict
 from experiments.corpus.bpe import train_bpe
 from experiments.corpus.encoders import Mismatch, SampleCheck, TokenizersEncoder, document_encoder, pipelined
@@ -103,7 +104,7 @@ def write_corpus(
         tokenizer, eos_id = pretrained_file(cfg)
         path = Path(cfg.tokenizer.file).expanduser()
         whole_documents(tokenizer, path, log)
-        origin = {"pretrained": str(path.resolve()), "sha256": sources.file_sha256(path)}
+        origin = {"pretrained": str(path.resolve()), "sha256": file_sha256(path)}
     else:
         tokenizer = train_bpe(train_texts(cfg, specs, downloads), cfg.vocab_size)
         eos_id, origin = tokenizer.token_to_id(EOS), {"trained": "byte-level BPE on the train split"}

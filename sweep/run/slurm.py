@@ -72,7 +72,7 @@ class ClusterSettings:
     launcher: str = "slurm"  # "slurm" or "submitit-local"
     folder: Path = Path("results/slurm")  # submitit's job files and logs, one folder per job
     partition: str | None = None  # PARTITION
-    gpus_per_worker: int = 1  # GPUS_PER_WORKER, by default the cells' train.devices
+    gpus_per_worker: int = 1  # GPUS_PER_WORKER (the CLI gives gpus_per_job: the cells' train.devices)
     cpus_per_worker: int = 8  # CPUS_PER_WORKER: data loading, the corpus build, the probes
     time_limit_min: int = 240  # TIME_LIMIT, minutes per job (a requeued job starts a new one)
     max_timeouts: int = 3  # requeues after a time limit before a job is left ended
