@@ -51,6 +51,7 @@ DIVERGED_STEP = "stability/diverged_step"
 
 GATE_PREFIX = "gate/"  # gate/score_mean, gate/score_q01 ... q99, gate/frac_below_0.1 ...
 GATE_SCORE_MEAN = "gate/score_mean"
+GATE_FRAC_BELOW_01 = "gate/frac_below_0.1"  # share of the gate's scores below 0.1, mean over layers
 F_ATTN = "sink/first_token_attn"  # attention on the first token, mean over layers, heads and queries
 F_ATTN_LATE = "sink/first_token_attn_late"  # the same without the first LATE_QUERY queries
 F_ATTN_FLOOR = "sink/first_token_floor"  # what uniform causal attention gives at the probe's T
@@ -289,8 +290,9 @@ class Kind:
 # --- table columns -----------------------------------------------------------------------------------
 
 ProbeColumn = Literal[
-    "gate_score", "m_act", "f_attn", "f_attn_late", "loss_spikes", "logit_std_init", "branch_scale_init"
-]
+    "gate_score", "gate_frac_below", "m_act", "f_attn", "f_attn_late", "loss_spikes", "logit_std_init",
+    "branch_scale_init",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -313,6 +315,14 @@ PROBE_COLUMNS: dict[str, Column] = {
         3,
         "Gate score: mean gate score over layers on the fixed probe batch (— without a gate). ",
         True,
+    ),
+    "gate_frac_below": Column(
+        GATE_FRAC_BELOW_01,
+        "Scores under 0.1",
+        3,
+        "Scores under 0.1: the share of gate scores below 0.1 on the probe batch, mean over layers "
+        "(— without a gate). ",
+        False,
     ),
     "m_act": Column(
         M_ACT,

@@ -248,8 +248,8 @@ BAD = {
     "missing_inherited_grid": (GOOD + "inherit: nowhere.yaml\n", "inherit: inherited grid", None),
     "bad_table_column": (
         GOOD + "columns: [ppl]\n",
-        "columns[0]: bad value 'ppl'; allowed: gate_score, m_act, f_attn, f_attn_late, loss_spikes, "
-        "logit_std_init, branch_scale_init",
+        "columns[0]: bad value 'ppl'; allowed: gate_score, gate_frac_below, m_act, f_attn, f_attn_late, "
+        "loss_spikes, logit_std_init, branch_scale_init",
         None,
     ),
     "complex_key": (
