@@ -348,3 +348,42 @@ def test_corpus_bench_refuses_a_bad_option_in_one_line(
         and err.startswith(f"error: python -m tools.corpus_bench: {said}")
         and err.count("\n") == 1
     )
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "said"),
+    [
+        (
+            "tools.throughput.__main__",
+            ["--rounds", "0"],
+            "python -m tools.throughput: argument --rounds: must be",
+        ),
+        (
+            "tools.throughput.__main__",
+            ["--threads", "0"],
+            "python -m tools.throughput: argument --threads: must",
+        ),
+        (
+            "tools.gpu_check",
+            ["--dry-run", "--steps", "0"],
+            "python -m tools.gpu_check: argument --steps: must",
+        ),
+        (
+            "sweep.report.init_table",
+            ["--results", "Makefile"],
+            "python -m sweep.report.init_table: --results",
+        ),
+        ("sweep.report.headline", ["--force"], "python -m sweep.report.headline: does not take --force"),
+    ],
+)
+def test_the_other_entry_points_the_makefile_calls_refuse_a_bad_option_in_one_line(
+    module: str, argv: list[str], said: str, capsys: pytest.CaptureFixture
+) -> None:
+    """Each ran on: 0 throughput rounds printed an empty table, --threads 0 was torch's traceback,
+    init_table made any folder it was given, headline ignored its arguments and wrote the figure."""
+    import importlib
+
+    with pytest.raises(SystemExit) as stop:
+        importlib.import_module(module).main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith(f"error: {said}") and err.count("\n") == 1, err
