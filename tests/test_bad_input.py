@@ -5,6 +5,7 @@ run in any store. (Grid-file cases: tests/test_grid.py.)"""
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -236,9 +237,26 @@ BAD_NUMBERS = {
 }
 
 
+def _started(*args: object, **kwargs: object) -> None:
+    raise AssertionError("the bad value got past its refusal: the command started")
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """A refusal under test must come before anything runs. Should it regress, the command fails
+    here at once instead of training in this process or starting workers: a ``--workers 100000``
+    that once got through started about a hundred before it was killed."""
+    monkeypatch.setattr(subprocess, "Popen", _started)  # no process of any kind
+    monkeypatch.setattr("sweep.cli._main", _started)  # past the parse and the number checks
+    monkeypatch.setattr("sweep.run.driver.start_processes", _started)
+    monkeypatch.setattr("sweep.browse._browse", _started)
+    monkeypatch.setattr("tools.corpus_bench._bench", _started)
+    return monkeypatch
+
+
 @pytest.mark.parametrize("case", BAD_NUMBERS)
 def test_a_bad_number_on_the_command_line_is_one_line_and_writes_nothing(
-    case: str, tmp_path: Path, capsys: pytest.CaptureFixture
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture, nothing_starts: pytest.MonkeyPatch
 ) -> None:
     argv, said = BAD_NUMBERS[case]
     results = tmp_path / "results"
@@ -265,7 +283,9 @@ def test_a_bad_number_on_the_command_line_is_one_line_and_writes_nothing(
         ),
     ],
 )
-def test_a_bad_browse_option_is_one_line(argv: list[str], said: str, capsys: pytest.CaptureFixture) -> None:
+def test_a_bad_browse_option_is_one_line(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture, nothing_starts: pytest.MonkeyPatch
+) -> None:
     from sweep.browse import main as browse
 
     with pytest.raises(SystemExit) as stop:
@@ -275,11 +295,13 @@ def test_a_bad_browse_option_is_one_line(argv: list[str], said: str, capsys: pyt
 
 
 def test_a_dashboard_port_in_use_is_one_line_before_the_storage_is_made(
-    tmp_path: Path, capsys: pytest.CaptureFixture
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import socket
 
     from sweep.browse import main as browse
+
+    monkeypatch.setattr("optuna_dashboard.run_server", _started)  # should the check regress: no server
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -307,7 +329,7 @@ NOT_JSONL = {
 
 @pytest.mark.parametrize("case", NOT_JSONL)
 def test_corpus_bench_refuses_a_file_it_cannot_bench_in_one_line(
-    case: str, tmp_path: Path, capsys: pytest.CaptureFixture
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture, nothing_starts: pytest.MonkeyPatch
 ) -> None:
     from tools.corpus_bench import main as bench
 
@@ -336,7 +358,7 @@ def test_corpus_bench_refuses_a_file_it_cannot_bench_in_one_line(
     ],
 )
 def test_corpus_bench_refuses_a_bad_option_in_one_line(
-    argv: list[str], said: str, capsys: pytest.CaptureFixture
+    argv: list[str], said: str, capsys: pytest.CaptureFixture, nothing_starts: pytest.MonkeyPatch
 ) -> None:
     from tools.corpus_bench import main as bench
 
@@ -377,13 +399,22 @@ def test_corpus_bench_refuses_a_bad_option_in_one_line(
     ],
 )
 def test_the_other_entry_points_the_makefile_calls_refuse_a_bad_option_in_one_line(
-    module: str, argv: list[str], said: str, capsys: pytest.CaptureFixture
+    module: str, argv: list[str], said: str, capsys: pytest.CaptureFixture, nothing_starts: pytest.MonkeyPatch
 ) -> None:
     """Each ran on: 0 throughput rounds printed an empty table, --threads 0 was torch's traceback,
     init_table made any folder it was given, headline ignored its arguments and wrote the figure."""
     import importlib
 
+    entry = importlib.import_module(module)
+    for after_the_parse in (
+        "load_grid",
+        "quiet_lightning",
+        "init_rows",
+        "write_headline",
+    ):  # what each runs next
+        if hasattr(entry, after_the_parse):
+            nothing_starts.setattr(entry, after_the_parse, _started)
     with pytest.raises(SystemExit) as stop:
-        importlib.import_module(module).main(argv)
+        entry.main(argv)
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.startswith(f"error: {said}") and err.count("\n") == 1, err

@@ -143,10 +143,15 @@ def test_force_and_seeds_are_offered_only_by_the_commands_that_act_on_them() -> 
     ],
 )
 def test_a_flag_a_command_does_not_act_on_is_refused_in_one_line(
-    argv: list[str], said: str, capsys: pytest.CaptureFixture
+    argv: list[str], said: str, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from sweep.cli import main
 
+    def started(*args: object) -> None:  # should the refusal regress: fail here, run nothing
+        raise AssertionError("the flag got past the parser: the command started")
+
+    monkeypatch.setattr("sweep.cli._main", started)
+    monkeypatch.setattr(subprocess, "Popen", started)
     with pytest.raises(SystemExit) as stop:
         main(argv)
     err = capsys.readouterr().err
