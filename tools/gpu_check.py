@@ -191,9 +191,11 @@ def routing(device: str, report: Report) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from sweep.cli_parser import OneLineParser, whole  # a bad value: one line, exit 2
+
+    p = OneLineParser(prog="python -m tools.gpu_check", description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, scale tiny, a few steps: check the script")
-    p.add_argument("--steps", type=int, default=None, help="steps per small cell (default 200; dry run 6)")
+    p.add_argument("--steps", type=whole(1), default=None, help="steps a small cell (default 200; dry run 6)")
     p.add_argument("--report", default="results/gpu_check.md", help="the report file (markdown)")
     p.add_argument("--skip", default="", help="comma-separated check names to leave out")
     p.add_argument("--cell", default=None, help=argparse.SUPPRESS)  # one packed cell: row,scale,steps,json
