@@ -92,5 +92,6 @@ def _export_parser(sub) -> None:
     s.add_argument("--runs", required=True, help="row ids (every seed's finished run) or run ids, a,b")
     s.add_argument("--dest", default=None, help="root of the folders (default <results>/export)")
     s.add_argument("--force", action="store_true", help="replace folders that exist")
-    s.add_argument("--yarn", type=float, default=None, help="write YaRN at this factor into the config")
+    # a string: export refuses what is not a finite number >= 1 in one line (argparse prints its usage)
+    s.add_argument("--yarn", default=None, help="write YaRN at this factor into the config")
     s.set_defaults(seeds=None, rows=None)

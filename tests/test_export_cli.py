@@ -190,13 +190,13 @@ def test_a_missing_export_extra_is_one_line_naming_the_install(
     assert not tmp_path.joinpath("micro-tiny").exists()
 
 
-@pytest.mark.parametrize("factor", ["inf", "-inf", "nan", "-1", "0", "0.5"])
+@pytest.mark.parametrize("factor", ["inf", "-inf", "nan", "-1", "0", "0.5", "abc"])
 def test_a_yarn_factor_that_is_not_a_finite_number_of_at_least_1_is_one_line_and_exit_2(
     micro: dict, tmp_path: Path, capsys, factor: str
 ) -> None:
     assert export(micro, tmp_path, "baseline", f"--yarn={factor}") == 2
-    err = capsys.readouterr().err
-    assert err == f"error: YARN: the factor must be a finite number >= 1, got {float(factor)}\n"
+    got = repr(factor) if factor == "abc" else float(factor)
+    assert capsys.readouterr().err == f"error: YARN: the factor must be a finite number >= 1, got {got}\n"
     assert not tmp_path.joinpath("micro-tiny").exists()
 
 

@@ -47,11 +47,25 @@ def run_export(args: argparse.Namespace, grid, results: Path, cache: Path | None
 
     dest = Path(args.dest) if args.dest else None
     try:
-        export_runs(args.runs, grid, args.scale, results, dest, args.force, args.yarn, cache)
+        export_runs(args.runs, grid, args.scale, results, dest, args.force, _factor(args.yarn), cache)
     except (ExportError, ExportUnavailable, CheckpointDamaged) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _factor(text: str | None) -> float | None:
+    """``--yarn``'s number, or None.
+
+    Raises:
+        sweep.export.runs.ExportError: not a number.
+    """
+    from sweep.export.runs import ExportError
+
+    try:
+        return None if text is None else float(text)
+    except ValueError:
+        raise ExportError(f"YARN: the factor must be a finite number >= 1, got {text!r}") from None
 
 
 def export_runs(
