@@ -139,3 +139,14 @@ def test_special_tokens_refuse_an_end_id_the_tokenizer_lacks() -> None:
     assert special_tokens(tokenizer, 0) == SpecialTokens("</s>", 0, "</s>", 0)
     with pytest.raises(ValueError, match="no id 100000"):
         special_tokens(tokenizer, 100_000)
+
+
+def test_an_end_token_the_tokenizer_holds_as_a_plain_token_is_refused_not_cut_out_of_words(
+    tmp_path: Path,
+) -> None:
+    tokenizer = train_bpe([TEXT], 300)  # a grid may name any token as tokenizer.eos: here "the"
+    with pytest.raises(
+        ValueError, match="transformers would encode text otherwise: its special tokens 'the'"
+    ):
+        exported(tokenizer, tokenizer.token_to_id("the"), tmp_path)
+    assert not (tmp_path / "model").exists()

@@ -77,11 +77,16 @@ def hf_tokenizer(
     where the corpus was encoded with one), ``tokens`` its special tokens, padding on the left.
 
     Raises:
-        ValueError: transformers added a token the tokenizer did not hold (a special token that
-            is no token of it).
+        ValueError: the wrapped tokenizer is not the run's: transformers added a token, or it
+            encodes text otherwise (a special token that the tokenizer holds as a plain token,
+            which transformers then cuts out of words, ``the`` out of ``there``).
     """
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    specials = [t for t in dict.fromkeys((tokens.eos, tokens.pad, tokens.bos)) if t]
+    probe = " ".join(f"x{t}y {t}" for t in specials) + " the cat sat there."
+    expected = tokenizer.encode(probe, add_special_tokens=True).ids
     wrapped = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
+        tokenizer_object=Tokenizer.from_str(tokenizer.to_str()),  # its own copy, whatever transformers does
         eos_token=tokens.eos,
         pad_token=tokens.pad,
         bos_token=tokens.bos,
@@ -89,8 +94,13 @@ def hf_tokenizer(
         padding_side="left",  # a decoder-only model generates after the prompt's last token
         clean_up_tokenization_spaces=False,
     )
-    if len(wrapped) != tokenizer.get_vocab_size(with_added_tokens=True):
-        raise ValueError(f"the tokenizer grew from {tokenizer.get_vocab_size()} to {len(wrapped)} ids")
+    if len(wrapped) != size:
+        raise ValueError(f"transformers would add tokens to it ({size} ids, {len(wrapped)} wrapped)")
+    if wrapped(probe).input_ids != expected:
+        shown = ", ".join(map(repr, specials))
+        raise ValueError(
+            f"transformers would encode text otherwise: its special tokens {shown} are not all special in it"
+        )
     return wrapped
 
 

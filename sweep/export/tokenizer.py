@@ -20,6 +20,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from experiments.checksums import file_sha256
+from experiments.hf.folder import hf_tokenizer
 from experiments.hf.tokens import SpecialTokens, special_tokens
 from experiments.names import CORPUS_FINGERPRINT_TAG, CORPUS_TAG, TOKENIZER_SHA256_TAG
 from sweep.export.runs import ExportError, ExportJob
@@ -54,8 +55,9 @@ def run_tokenizer(job: ExportJob, tracker: Tracker, cache_root: Path, tmp: Path)
     Raises:
         ExportError: a run of the synthetic task (no tokenizer); a stored tokenizer missing or
             not the bytes its tag names; a run without one whose corpus is not here or holds other
-            bytes; a tokenizer whose end-of-document id is not the one the run recorded, or with
-            ids beyond the model's vocabulary. One line naming the run.
+            bytes; a tokenizer whose end-of-document id is not the one the run recorded, with ids
+            beyond the model's vocabulary, or that transformers would wrap into another
+            (``experiments.hf.folder.hf_tokenizer``). One line naming the run.
     """
     run = job.run
     tags = run.data.tags
@@ -86,7 +88,12 @@ def run_tokenizer(job: ExportJob, tracker: Tracker, cache_root: Path, tmp: Path)
             f"RUNS: {name}: its tokenizer has {size} ids, more than the model's vocab_size "
             f"{job.config.model.vocab_size}"
         )
-    return RunTokenizer(file, eos_id, special_tokens(tokenizer, eos_id), origin)
+    try:
+        tokens = special_tokens(tokenizer, eos_id)
+        hf_tokenizer(tokenizer, tokens, job.config.model.max_seq_len)  # what write_folder will do
+    except ValueError as err:
+        raise ExportError(f"RUNS: {name}: its tokenizer cannot be shipped as it is: {err}") from None
+    return RunTokenizer(file, eos_id, tokens, origin)
 
 
 def _stored(tracker: Tracker, run: Any, name: str, sha: str, tmp: Path) -> Path:
