@@ -67,11 +67,10 @@ def run_tokenizer(job: ExportJob, tracker: Tracker, cache_root: Path, tmp: Path)
     record = _artifact_json(tracker, run, CORPUS_RECORD, tmp)
     if sha := tags.get(TOKENIZER_SHA256_TAG):
         file, origin = _stored(tracker, run, name, sha, tmp), f"the run's own (sha256 {sha[:12]})"
-        if record is None:
+        if not isinstance(eos_id := ((record or {}).get("tokenizer") or {}).get("eos_id"), int):
             raise ExportError(
                 f"RUNS: {name} has no readable {CORPUS_RECORD}: its end-of-document id is not known"
             )
-        eos_id = int(record["tokenizer"]["eos_id"])
     else:
         corpus = _corpus_here(job, name, record, cache_root)
         file, eos_id = corpus.root / corpus.manifest["tokenizer"]["file"], corpus.eos_id
