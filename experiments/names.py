@@ -39,6 +39,9 @@ CORPUS_TAG = "corpus"
 CORPUS_FINGERPRINT_TAG = "corpus_fingerprint"
 """A cell run's tag: the fingerprint of the bytes it trained on (``Corpus.fingerprint``); a run whose
 fingerprint is not its corpus's today is no result (``sweep.store.Tracker.current_state``)."""
+TOKENIZER_SHA256_TAG = "tokenizer_sha256"
+"""A cell run's tag: the sha256 of the ``tokenizer.json`` it trained with, which it stores as the
+artifact of that name when training starts; ``make export`` ships that file (docs/export.md)."""
 METRIC_STEPS_UPDATES = "updates"
 #: Run tag: the precision Lightning trained in (``train.precision: auto`` resolved on the machine,
 #: ``32-true`` on a CPU, ``bf16-mixed`` on a GPU); a resume in another is refused (sweep.run.placement).

@@ -9,7 +9,6 @@ imports), so ``--help`` and a refused flag answer before :mod:`sweep.cli` loads 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from typing import NoReturn
 
@@ -90,17 +89,6 @@ def whole(low: int, high: int | None = None):
         return value
 
     return parse
-
-
-def factor(text: str) -> float:
-    """An argparse ``type``: a finite number of at least 1 (a YaRN factor)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 1):
-        raise argparse.ArgumentTypeError(f"must be a finite number of at least 1, got {text!r}")
-    return value
 
 
 def workers(text: str) -> int | None:
@@ -214,7 +202,8 @@ def _dest(s: argparse.ArgumentParser, command: str) -> None:
 
 
 def _yarn(s: argparse.ArgumentParser, command: str) -> None:
-    s.add_argument("--yarn", type=factor, default=None, help="write YaRN at this factor (>= 1) in the config")
+    # a string: export refuses what is not a finite number >= 1 in one line naming YARN (sweep.export)
+    s.add_argument("--yarn", default=None, help="write YaRN at this factor (>= 1) in the config")
 
 
 _OPTIONS = {

@@ -111,4 +111,5 @@ def held_out_line(manifest: dict, domain: str) -> str:
         for label, lost in manifest.get("repeats", {}).get("dropped", {}).items()
         if domain_of.get(label) == domain
     )
-    return f"; also in train: val {shared['val']}, test {shared['test']} documents; duplicates dropped: {dropped:,}"
+    in_train = f"also in train: val {shared['val']}, test {shared['test']} documents"
+    return f"; {in_train}; duplicates dropped: {dropped:,}"
