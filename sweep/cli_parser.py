@@ -9,6 +9,7 @@ imports), so ``--help`` and a refused flag answer before :mod:`sweep.cli` loads 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from typing import NoReturn
 
@@ -201,9 +202,21 @@ def _dest(s: argparse.ArgumentParser, command: str) -> None:
     s.add_argument("--dest", default=None, help="root of the folders (default <results>/export)")
 
 
+def yarn_factor(text: str) -> str:
+    """An argparse ``type``: a finite number of at least 1, kept as written (export reads it)."""
+    try:
+        ok = math.isfinite(float(text)) and float(text) >= 1
+    except ValueError:
+        ok = False
+    if not ok:  # make export YARN=... names the variable the user set
+        raise argparse.ArgumentTypeError(f"YARN: the factor must be a finite number >= 1, got {text}")
+    return text
+
+
 def _yarn(s: argparse.ArgumentParser, command: str) -> None:
-    # a string: export refuses what is not a finite number >= 1 in one line naming YARN (sweep.export)
-    s.add_argument("--yarn", default=None, help="write YaRN at this factor (>= 1) in the config")
+    s.add_argument(
+        "--yarn", type=yarn_factor, default=None, help="write YaRN at this factor (>= 1) in the config"
+    )
 
 
 _OPTIONS = {

@@ -232,7 +232,7 @@ BAD_NUMBERS = {
     "rows": (["sweep", "--rows", ","], "error: --rows names no row id"),
     "yarn": (
         ["export", "--runs", "a", "--yarn", "inf"],
-        "error: YARN: the factor must be a finite number >= 1, got inf",
+        "error: python -m sweep.cli export: argument --yarn: YARN: the factor must be a finite number >= 1,",
     ),
 }
 

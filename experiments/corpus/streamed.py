@@ -26,10 +26,10 @@ import experiments.corpus.sources as sources
 from experiments.config import DataConfig, to_dict
 from experiments.corpus.bpe import train_bpe
 from experiments.corpus.encoders import Mismatch, SampleCheck, TokenizersEncoder, document_encoder, pipelined
-from experiments.corpus.limits import too_large
 from experiments.corpus.pretrained import pretrained_file, whole_documents
 from experiments.corpus.read_files import ReadFiles
 from experiments.corpus.reader import EOS, MANIFEST, SPLITS, TOKENIZER_FILE, CorpusError, manifest_header
+from experiments.corpus.reading import Progress, bounded, clean_texts, not_blank
 from experiments.corpus.repeats import (
     Ledger,
     Repeats,
@@ -49,7 +49,6 @@ BPE_SAMPLE_CHARS = 50_000_000
 changes the merges of a vocabulary of tens of thousands and costs the trainer's memory."""
 
 _BATCH_CHARS = 2_000_000  # bounds the text and the Encoding objects held at once
-_PROGRESS_EVERY_S = 5.0
 
 
 def domain_of(spec: SourceSpec) -> str:
@@ -95,7 +94,7 @@ def train_texts(
             spec,
             cfg,
         ):
-            batch = [doc for doc in batch if _not_blank(doc.text)]
+            batch = [doc for doc in batch if not_blank(doc.text)]
             firsts = repeats.keep(spec.label, [text_key(doc.text.replace("\r\n", "\n")) for doc in batch])
             repeats.commit()
             for doc, first in zip(batch, firsts):
@@ -255,7 +254,7 @@ def _encode_source(
 ) -> dict[str, Any]:
     domain = domain_of(spec)
     skipped_before = len(met[domain].skipped)
-    progress = _Progress(spec, log)
+    progress = Progress(spec, log)
     counts = dict.fromkeys(SPLITS, 0)
     docs = dict.fromkeys(SPLITS, 0)
     chars = seen = 0
@@ -264,7 +263,7 @@ def _encode_source(
     read = prefetch.batches(
         spec, downloads, _BATCH_CHARS, seen=met[domain], max_bytes=cfg.max_document_bytes, record=record
     )
-    numbered = ((batch, texts, encoder.reserve(len(texts))) for batch, texts in _texts(read, spec, cfg))
+    numbered = ((batch, texts, encoder.reserve(len(texts))) for batch, texts in clean_texts(read, spec, cfg))
     encode = lambda job: encoder.encode(job[1], job[2])  # noqa: E731
     for (batch, texts, _), (flat, lengths) in pipelined(numbered, encode):
         # A document is its ids (what training reads): one met before, in any source, is left out.
@@ -321,37 +320,6 @@ def _encode_source(
             **_provenance(spec, record), "n_docs": docs, "tokens": counts, "chars": chars}  # fmt: skip
 
 
-def bounded(batches: Iterator[list[D.Doc]], spec: SourceSpec, cfg: DataConfig) -> Iterator[list[D.Doc]]:
-    """``batches`` as they come, checked against ``data.max_document_bytes``.
-
-    Raises:
-        CorpusError: a document over the bound (one its file's layout did not show before reading).
-    """
-    for batch in batches:
-        if over := next((doc for doc in batch if doc.nbytes > cfg.max_document_bytes), None):
-            where, _, row = over.doc_id.rpartition("#")
-            raise too_large(
-                spec.label, where or spec.label, f"row {row}", over.nbytes, cfg.max_document_bytes
-            )
-        yield batch
-
-
-def _texts(
-    batches: Iterator[list[D.Doc]], spec: SourceSpec, cfg: DataConfig
-) -> Iterator[tuple[list[D.Doc], list[str]]]:
-    """Each batch's documents and texts, CRLF made LF, whitespace-only ones left out (a lone eos);
-    :func:`bounded`."""
-    for batch in bounded(batches, spec, cfg):
-        texts = [doc.text.replace("\r\n", "\n") for doc in batch]
-        kept = [i for i, text in enumerate(texts) if _not_blank(text)]
-        if kept:
-            yield [batch[i] for i in kept], [texts[i] for i in kept]
-
-
-def _not_blank(text: str) -> bool:
-    return bool(text) and not text.isspace()  # text.strip(), without copying the text
-
-
 def _reference(tokenizer: Tokenizer) -> TokenizersEncoder:
     return TokenizersEncoder(tokenizer, add_special_tokens=True)
 
@@ -379,38 +347,3 @@ def _provenance(spec: SourceSpec, record: ReadFiles) -> dict[str, Any]:
         return {"revision": spec.revision}
     src = sources.SOURCES[spec.package]
     return {"version": src.version, "pin": src.pin, "license": src.license}
-
-
-class _Progress:
-    """A line every few seconds: documents, tokens, MB/s and, where the size is known, time left."""
-
-    def __init__(self, spec: SourceSpec, log: Callable[[str], None]) -> None:
-        self.spec, self.log = spec, log
-        self.start = self.last = time.perf_counter()
-        self.bytes = self.tokens = self.docs = 0
-        self.total = sum(p.stat().st_size for p in D.matched_files(spec)) if spec.kind == "files" else None
-
-    def update(self, nbytes: int, tokens: int, docs: int) -> None:
-        self.bytes += nbytes
-        self.tokens += tokens
-        self.docs += docs
-        now = time.perf_counter()
-        if now - self.last < _PROGRESS_EVERY_S:
-            return
-        self.last = now
-        rate = self.bytes / (now - self.start)
-        left = ""
-        if self.total and rate > 0:
-            left = f", about {max(0.0, (self.total - self.bytes) / rate):.0f} s left"
-        self.log(
-            f"corpus: {self.spec.label}: {self.docs:,} docs, {self.tokens:,} tokens, "
-            f"{rate / 1e6:.1f} MB/s{left}"
-        )
-
-    def done(self, kept: int, seen: int) -> str:
-        secs = time.perf_counter() - self.start
-        rate = self.bytes / secs / 1e6 if secs > 0 else 0.0
-        return (
-            f"corpus: {self.spec.label}: {kept:,}/{seen:,} docs, {self.tokens:,} tokens, "
-            f"{self.bytes / 1e6:.1f} MB in {secs:.1f}s ({rate:.1f} MB/s)"
-        )
