@@ -92,7 +92,7 @@ def _main(argv: list[str] | None) -> int:
     from sweep.grid import MAX_SEEDS, load_grid
     from sweep.gridfile import GridError
     from sweep.run.gpus import GpuLayoutError
-    from sweep.run.slurm import LauncherError, check_time_limit, launcher_for
+    from sweep.run.slurm import LauncherError, check_options, launcher_for
     from sweep.store_urls import TrackingError
 
     args = parser().parse_args(argv)
@@ -104,7 +104,7 @@ def _main(argv: list[str] | None) -> int:
         return 2
     if getattr(args, "launcher", "local") != "local":
         try:
-            check_time_limit(args.time_limit)
+            check_options(args)
         except LauncherError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
@@ -175,8 +175,7 @@ def _main(argv: list[str] | None) -> int:
         started = time.perf_counter()
         if args.command == "worker":
             return _worker(args, grid, cells, results, cache)
-        train = [c.config.train for c in cells]  # a launcher that cannot serve them: one line
-        launch = launcher_for(args, max(t.num_nodes for t in train), max(t.devices for t in train))
+        launch = launcher_for(args, cells)  # a launcher that cannot serve them, or SLURM refuses: one line
         from sweep.run.gpus import sweep_workers
 
         args.workers = sweep_workers(args.workers, cells, args.cells_per_gpu, local=launch is None)
