@@ -75,7 +75,8 @@ def partition_limits(partition: str | None) -> tuple[str, float | None, int | No
     """
     done = _run(["scontrol", "-o", "show", "partition", *([partition] if partition else [])])
     if done.returncode != 0:
-        raise LauncherError(f"--partition {partition}: SLURM says: {said(done.stderr or done.stdout)}")
+        asked = f"--partition {partition}" if partition else "scontrol show partition"
+        raise LauncherError(f"{asked}: SLURM says: {said(done.stderr or done.stdout)}")
     rows = [dict(re.findall(r"(\S+?)=(\S*)", line)) for line in done.stdout.splitlines() if line.strip()]
     row = rows[0] if partition else next((r for r in rows if r.get("Default") == "YES"), None)
     if row is None:
