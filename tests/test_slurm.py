@@ -149,14 +149,15 @@ def test_two_jobs_drain_four_cells_and_a_preempted_jobs_cell_resumes_trained_onc
 def test_a_job_past_max_requeues_stops_saved_says_so_and_the_next_sweep_resumes_its_cell(
     repo_cache: None, tmp_path: Path
 ) -> None:
-    """submitit-local, a job of 1.5 minutes (warned after 60 s) allowed no time-limit requeue
+    """submitit-local, a job of 2 minutes (warned after 90 s) allowed no time-limit requeue
     (``MAX_REQUEUES=0``): at its warning the worker stops, saved, submitit does not requeue the
     job, which ends and says so in one line; the cell waits in the queue, and the next sweep
     resumes it in its own run, every step once."""
-    steps = 600  # a minute of slowed steps at least: longer than the job
+    steps = 1200  # two minutes of slowed steps at least: longer than the job
     grid_path = tmp_path / "micro.yaml"
     grid_path.write_text(LONG_MICRO.replace(f"max_steps: {LONG_STEPS},", f"max_steps: {steps},"))
     results = tmp_path / "results"
+    results.mkdir()
     grid = load_grid(grid_path)
     cells = grid.cells("tiny", seeds=[0], rows=["baseline"])
     ctx = prepare_sweep(grid, cells, results, ROOT / ".cache", out=lambda _line: None)
@@ -165,7 +166,7 @@ def test_a_job_past_max_requeues_stops_saved_says_so_and_the_next_sweep_resumes_
     worker = [sys.executable, "-c", SLOW_CLI, "worker", "--grid", str(grid_path), "--results"]
     worker += [str(results), "--storage", url, "--heartbeat", "1", "--seeds", "1", "--rows", "baseline"]
     settings = ClusterSettings(
-        "submitit-local", tmp_path / "jobs", gpus_per_worker=0, time_limit_min=1.5, max_requeues=0
+        "submitit-local", tmp_path / "jobs", gpus_per_worker=0, time_limit_min=2, max_requeues=0
     )
     launcher, lines = SubmititLauncher(settings, poll_s=0.5), []
     launcher(worker, 1, StopRequest(), lines.append, {})

@@ -109,9 +109,8 @@ def make_executor(settings: ClusterSettings) -> Any:
         ) from None
     cluster = "slurm" if settings.launcher == "slurm" else "local"
     try:
-        executor = submitit.AutoExecutor(
-            folder=settings.folder / "%j", cluster=cluster, slurm_max_num_timeout=settings.max_requeues
-        )
+        bound = {f"{cluster}_max_num_timeout": settings.max_requeues}  # submitit-local's too
+        executor = submitit.AutoExecutor(folder=settings.folder / "%j", cluster=cluster, **bound)
     except RuntimeError as err:  # no srun on this machine
         raise LauncherError(f"--launcher {settings.launcher}: {err}") from None
     params: dict[str, Any] = {
