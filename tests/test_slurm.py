@@ -116,7 +116,8 @@ def test_two_jobs_drain_four_cells_and_a_preempted_jobs_cell_resumes_trained_onc
     assert lines[0].startswith("submitted 2 submitit-local jobs")
     ends = {j.job_id: f"job {j.job_id} ended FINISHED" for j in jobs}  # each job's end, once
     if how == "usr2_to_job_id":  # the controller died of it: said, and its worker left saved
-        ends[victim.job_id] = f"job {victim.job_id} ended INTERRUPTED; its log: {victim.paths.stdout}"
+        logs = f"its log: {victim.paths.stdout} (errors: {victim.paths.stderr})"
+        ends[victim.job_id] = f"job {victim.job_id} ended INTERRUPTED; {logs}"
     assert sorted(lines[1:]) == sorted(ends.values())
     log = victim.paths.stdout.read_text() + victim.paths.stderr.read_text()
     if how == "usr2":

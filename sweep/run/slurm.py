@@ -263,7 +263,8 @@ class SubmititLauncher:
             time.sleep(self.poll_s)
         for j in self.jobs:  # read after the end: on SLURM as scontrol or sacct reports it
             state = watch.last[str(j.job_id)] if watch else slurm_jobs.JobState(j.state)
-            log = "" if state.state in ("COMPLETED", "FINISHED") else f"; its log: {j.paths.stdout}"
+            logs = f"; its log: {j.paths.stdout} (errors: {j.paths.stderr})"  # a traceback goes to stderr
+            log = "" if state.state in ("COMPLETED", "FINISHED") else logs
             out(f"job {j.job_id} ended {state.describe()}{log}")
             if _returned(j) == REQUEUE_BOUND:
                 bound = self.settings.max_requeues
