@@ -14,6 +14,7 @@
 #   LAUNCHER local (worker processes here) | slurm (one SLURM job per worker, through submitit; needs
 #            WORKERS=N) | submitit-local (the slurm path on this machine); docs/cluster.md
 #   PARTITION, GPUS_PER_WORKER (the cells' train.devices), CPUS_PER_WORKER (8), TIME_LIMIT (minutes per job, 240): the jobs
+#   MAX_REQUEUES  time-limit requeues of a job before it stops, saved (30: a paper cell on a 24-hour partition)
 #   SYSTEM_METRICS 0 turns off MLflow's system metrics (CPU, memory, GPU) in the cells' runs
 #   CPU_ARITH native: the CPU's own fastest kernels instead of the pinned arithmetic that gives the
 #            same numbers on every Intel machine of its class (experiments/numerics.py; docs/reproducing.md)
@@ -40,6 +41,7 @@ PARTITION ?=
 GPUS_PER_WORKER ?=
 CPUS_PER_WORKER ?= 8
 TIME_LIMIT ?= 240
+MAX_REQUEUES ?= 30
 SYSTEM_METRICS ?= 1
 CPU_ARITH ?=
 DASHBOARD_PORT ?= 8080
@@ -56,7 +58,8 @@ VENV := .venv
 PY   := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 LAUNCH := $(if $(filter-out local,$(LAUNCHER)),--launcher '$(LAUNCHER)' $(if $(PARTITION),--partition '$(PARTITION)') \
-	$(if $(GPUS_PER_WORKER),--gpus-per-worker $(GPUS_PER_WORKER)) --cpus-per-worker $(CPUS_PER_WORKER) --time-limit $(TIME_LIMIT))
+	$(if $(GPUS_PER_WORKER),--gpus-per-worker $(GPUS_PER_WORKER)) --cpus-per-worker $(CPUS_PER_WORKER) --time-limit $(TIME_LIMIT) \
+	--max-requeues $(MAX_REQUEUES))
 # SYSTEM_METRICS=0: for every target that trains (sweep, tune, stability), and the jobs it starts
 ifeq ($(SYSTEM_METRICS),0)
 export SWEEP_SYSTEM_METRICS := 0
@@ -254,8 +257,9 @@ servers-check: servers-setup
 
 # LAUNCHER=slurm against a real SLURM (docs/cluster.md): a throwaway cluster on this machine
 # (Debian's slurm-wlm, munge, slurmdbd on MariaDB; two slurmd), installed with apt-get where missing
-# and stopped at the end (root); a micro sweep, scancel, scontrol requeue, a time limit,
-# pre-emption with and without a grace time, a two-node cell, a killed driver (tools/slurm_check.py)
+# and stopped at the end (root); a micro sweep, scancel, scontrol requeue, a cell of many time limits,
+# pre-emption with and without a grace time, a two-node cell, a killed driver, refused jobs
+# (tools/slurm_check.py)
 slurm-check: $(STAMP)
 	$(PY) -m tools.slurm_check
 

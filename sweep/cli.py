@@ -90,7 +90,7 @@ def refuse_bad_numbers(args: argparse.Namespace) -> None:
         UsageError: one line naming the option.
     """
     from sweep.gridfile import MAX_SEEDS  # light: no torch
-    from sweep.run.slurm import LauncherError, check_time_limit
+    from sweep.run.slurm import LauncherError, check_options
 
     if args.seeds is not None and not 1 <= args.seeds <= MAX_SEEDS:
         raise UsageError(f"--seeds must be 1 to {MAX_SEEDS}, got {args.seeds}")
@@ -101,7 +101,7 @@ def refuse_bad_numbers(args: argparse.Namespace) -> None:
         raise UsageError(f"--launcher {launcher} needs --workers N (the number of jobs)")
     if launcher != "local":
         try:
-            check_time_limit(args.time_limit)
+            check_options(args)
         except LauncherError as err:
             raise UsageError(str(err)) from None
     for option in ("lr_range", "ladder"):
@@ -189,8 +189,7 @@ def _main(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         if args.command == "worker":
             return _worker(args, grid, cells, results, cache)
-        train = [c.config.train for c in cells]  # a launcher that cannot serve them: one line
-        launch = launcher_for(args, max(t.num_nodes for t in train), max(t.devices for t in train))
+        launch = launcher_for(args, cells)  # a launcher that cannot serve them, or SLURM refuses: one line
         from sweep.run.gpus import sweep_workers
 
         args.workers = sweep_workers(args.workers, cells, args.cells_per_gpu, local=launch is None)

@@ -116,7 +116,8 @@ def test_two_jobs_drain_four_cells_and_a_preempted_jobs_cell_resumes_trained_onc
     assert lines[0].startswith("submitted 2 submitit-local jobs")
     ends = {j.job_id: f"job {j.job_id} ended FINISHED" for j in jobs}  # each job's end, once
     if how == "usr2_to_job_id":  # the controller died of it: said, and its worker left saved
-        ends[victim.job_id] = f"job {victim.job_id} ended INTERRUPTED; its log: {victim.paths.stdout}"
+        logs = f"its log: {victim.paths.stdout} (errors: {victim.paths.stderr})"
+        ends[victim.job_id] = f"job {victim.job_id} ended INTERRUPTED; {logs}"
     assert sorted(lines[1:]) == sorted(ends.values())
     log = victim.paths.stdout.read_text() + victim.paths.stderr.read_text()
     if how == "usr2":
@@ -145,6 +146,66 @@ def test_two_jobs_drain_four_cells_and_a_preempted_jobs_cell_resumes_trained_onc
     assert killed.state == optuna.trial.TrialState.FAIL
 
 
+@pytest.mark.slow  # make test-all: processes, signals
+def test_a_job_past_max_requeues_stops_saved_says_so_and_the_next_sweep_resumes_its_cell(
+    repo_cache: None, tmp_path: Path
+) -> None:
+    """submitit-local, a job of 2 minutes (warned after 90 s) allowed no time-limit requeue
+    (``MAX_REQUEUES=0``): at its warning the worker stops, saved, submitit does not requeue the
+    job, which ends and says so in one line; the cell waits in the queue, and the next sweep
+    resumes it in its own run, every step once."""
+    steps = 1200  # two minutes of slowed steps at least: longer than the job
+    grid_path = tmp_path / "micro.yaml"
+    grid_path.write_text(LONG_MICRO.replace(f"max_steps: {LONG_STEPS},", f"max_steps: {steps},"))
+    results = tmp_path / "results"
+    results.mkdir()
+    grid = load_grid(grid_path)
+    cells = grid.cells("tiny", seeds=[0], rows=["baseline"])
+    ctx = prepare_sweep(grid, cells, results, ROOT / ".cache", out=lambda _line: None)
+    url = storage_url(results, None)
+    assert len(enqueue_cells(open_queue("tiny", url, 1), cells, ctx, force=False)) == 1
+    worker = [sys.executable, "-c", SLOW_CLI, "worker", "--grid", str(grid_path), "--results"]
+    worker += [str(results), "--storage", url, "--heartbeat", "1", "--seeds", "1", "--rows", "baseline"]
+    settings = ClusterSettings(
+        "submitit-local", tmp_path / "jobs", gpus_per_worker=0, time_limit_min=2, max_requeues=0
+    )
+    launcher, lines = SubmititLauncher(settings, poll_s=0.5), []
+    launcher(worker, 1, StopRequest(), lines.append, {})
+
+    job_id = lines[0].split("(")[1].split(")")[0]
+    assert lines[1:] == [
+        f"job {job_id} ended FINISHED",
+        f"job {job_id} stopped at its time limit after MAX_REQUEUES=0 requeues: its cell is saved and "
+        "queued; the same command again resumes it",
+    ]
+    log = (tmp_path / "jobs" / job_id / f"{job_id}_0_log.out").read_text()
+    assert "Job not requeued because: timed-out too many times." in log
+    assert log.count("Starting with JobEnvironment") == 1
+    (killed,) = all_cell_runs(results)
+    assert killed.data.tags["status"] == "killed"
+    assert Counter(t.state.name for t in queue_trials(results)) == {"FAIL": 1, "WAITING": 1}
+
+    args = [
+        "sweep",
+        "--grid",
+        str(grid_path),
+        "--results",
+        str(results),
+        "--seeds",
+        "1",
+        "--rows",
+        "baseline",
+    ]
+    assert main(args) == 0
+    (run,) = all_cell_runs(results)
+    assert run.info.run_id == killed.info.run_id and run.data.tags["resumed"] == "1"
+    assert run.data.tags["status"] == "finished"
+    client = MlflowClient(tracking_uri=f"sqlite:///{results / 'mlflow.db'}")
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == list(
+        range(steps)
+    )
+
+
 def test_the_slurm_job_asks_for_the_partition_gpus_time_and_a_requeue(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -155,6 +216,7 @@ def test_the_slurm_job_asks_for_the_partition_gpus_time_and_a_requeue(
     settings = ClusterSettings("slurm", tmp_path, partition="gpu", gpus_per_worker=2, time_limit_min=90)
     executor = make_executor(settings)
     script = executor._executor._make_submission_file_text("python -m sweep.cli worker", "uid")
+    assert executor._executor.max_num_timeout == settings.max_requeues == 30  # MAX_REQUEUES, not submitit's 3
     for flag in (
         "--partition=gpu",
         "--gpus-per-node=2",
@@ -198,6 +260,11 @@ def test_a_job_gets_a_gpu_for_each_rank_of_its_cells() -> None:
     assert gpus_per_job(8, 8) == 8 and gpus_per_job(16, 8) == 16
     with pytest.raises(LauncherError, match=r"^--gpus-per-worker 4: the cells train on 8 devices a node"):
         gpus_per_job(4, 8)
+    with pytest.raises(LauncherError, match=r"^--gpus-per-worker -1: GPUs per job and node, 0 or more$"):
+        gpus_per_job(-1, 1)
+    assert gpus_per_job(0, 1, []) == 0  # cells on CPUs
+    with pytest.raises(LauncherError, match=r"^--gpus-per-worker 0: row baseline trains on GPUs"):
+        gpus_per_job(0, 8, ["baseline"])
 
 
 def test_the_paper_rows_on_one_gpu_a_job_are_refused_in_one_line(
@@ -278,12 +345,13 @@ def test_a_time_limit_too_short_for_the_warning_and_some_training_is_refused_bef
 ) -> None:
     from sweep.run.slurm import check_time_limit
 
-    check_time_limit(3)  # 90 s before the warning: allowed
+    check_time_limit(4)  # 90 s before the warning, were it sent 60 s early: allowed
     with pytest.raises(LauncherError) as refused:
-        check_time_limit(2)
+        check_time_limit(3)  # a 3-minute job of make slurm-check was warned after 65 s
     assert str(refused.value) == (
-        "--time-limit 2: a job is warned 90 s before its limit (--signal=USR2@90) and needs 90 s before "
-        "that to start and train: give TIME_LIMIT=3 minutes or more"
+        "--time-limit 3: a job is warned 90 s before its limit (--signal=USR2@90), SLURM may send it up "
+        "to 60 s earlier, and the job needs 90 s before that to start and train: give TIME_LIMIT=4 minutes "
+        "or more"
     )
     args = ["sweep", "--launcher", "submitit-local", "--workers", "1", "--time-limit", "1"]
     assert main([*args, "--results", str(tmp_path / "results")]) == 2

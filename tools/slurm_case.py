@@ -34,6 +34,7 @@ class Case:
         self.grid.write_text(grid.replace("STEPS", str(steps)))
         self.results = self.folder / "results"
         self.failures: list[str] = []
+        self.note = ""  # what the case measured, for its verdict line
 
     def command(self, workers: int = 2, *extra: str) -> list[str]:
         command = [sys.executable, "-m", "sweep.cli", "sweep", "--grid", str(self.grid), "--results"]
@@ -97,6 +98,56 @@ class Releaser(threading.Thread):
                 if reason.strip() == "BeginTime":
                     slurm("scontrol", "update", f"JobId={job}", "StartTime=now", env=self.env)
                     self.released += 1
+
+
+class Recorder(threading.Thread):
+    """Writes every reading of the cluster's jobs that differs from the one before, as SLURM
+    gives it (``scontrol -o show job``'s line, ``sacct``'s rows with the steps), one JSON line
+    each, to ``path``: ``{"t": seconds since the start, "job": id, "scontrol": line or null,
+    "sacct": rows}``. ``make slurm-check --record DIR`` keeps one file a case; the driver's
+    tests replay them (tests/slurm_states/)."""
+
+    FIELDS = re.compile(r"\b(JobState|Reason|Restarts|ExitCode|BatchFlag|PreemptTime|StartTime)=(\S*)")
+
+    def __init__(self, env: dict[str, str], path: Path, poll_s: float = 0.25) -> None:
+        super().__init__(daemon=True)
+        self.env, self.path, self.poll_s, self.done = env, path, poll_s, threading.Event()
+        self.t0 = time.monotonic()
+
+    def run(self) -> None:
+        import json
+
+        last: dict[str, tuple] = {}
+        with self.path.open("a") as sink:
+            while not self.done.wait(self.poll_s):
+                lines = slurm("scontrol", "-o", "show", "job", env=self.env).splitlines()
+                held = {x.split()[0].removeprefix("JobId="): x for x in lines if x.startswith("JobId=")}
+                rows = slurm("sacct", "-n", "-P", "-o", "JobID,State,ExitCode", env=self.env).splitlines()
+                jobs = set(held) | {r.split("|")[0].split(".")[0] for r in rows if r}
+                for job in sorted(jobs, key=int):
+                    mine = "\n".join(r for r in rows if r.split("|")[0].split(".")[0] == job)
+                    line = held.get(job)
+                    key = (tuple(self.FIELDS.findall(line)) if line else None, mine)
+                    if last.get(job) != key:
+                        last[job] = key
+                        t = round(time.monotonic() - self.t0, 2)
+                        sink.write(json.dumps({"t": t, "job": job, "scontrol": line, "sacct": mine}) + "\n")
+                        sink.flush()
+
+
+@contextlib.contextmanager
+def recording(env: dict[str, str], path: Path | None) -> Iterator[None]:
+    """A :class:`Recorder` of the cluster's jobs into ``path`` while inside (none without a path)."""
+    if path is None:
+        yield
+        return
+    recorder = Recorder(env, path)
+    recorder.start()
+    try:
+        yield
+    finally:
+        recorder.done.set()
+        recorder.join()
 
 
 def verify(

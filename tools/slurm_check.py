@@ -7,14 +7,21 @@ sweep.cli sweep --launcher slurm ...`` (what ``make sweep LAUNCHER=slurm`` runs)
 1. ``micro``: two jobs train the grid; a second driver started meanwhile trains nothing of it;
 2. ``scancel``: a job cancelled mid-cell; the other job resumes its cell;
 3. ``requeue``: ``scontrol requeue`` mid-cell; the requeued job resumes it;
-4. ``time-limit``: a cell longer than ``TIME_LIMIT=3``; submitit's warning requeues the job;
+4. ``time-limit``: a cell eight jobs of ``TIME_LIMIT=4`` long at the step time measured just
+   before it (:mod:`tools.slurm_limits`); submitit's warning requeues the job at each limit, and
+   the cell finishes in the one sweep after more than five;
 5. ``preempt``, ``preempt-grace``: a higher-priority partition's job pre-empts both jobs,
    without a grace time and with one (``GraceTime=60``); both are requeued and resume;
    ``preempt-usr2``: the same with a grace time where SLURM sends the jobs' own signal then
    (``preempt_send_user_signal``);
 6. ``two-node``: a ``num_nodes: 2`` cell in one job of two nodes (``srun torchrun``);
 7. ``driver-killed``: the driver gets SIGKILL mid-cell; its jobs finish; the same command again
-   trains nothing and writes the whole table.
+   trains nothing and writes the whole table;
+8. ``refusals``: a partition or an account SLURM does not know, a ``TIME_LIMIT`` over the
+   partition's ``MaxTime``, a node shape no node has, and the launcher's numbers out of range:
+   each one line, exit 2, nothing written, no job queued;
+9. ``refused-later``: sbatch takes the first job and refuses the second (``MaxSubmitJobs=1``): the
+   first is cancelled, one line, exit 2; the same command then trains every cell once.
 
 Each asserts what the docs promise: the sweep exits 0; its table has every row; every cell is
 one finished run, every step once, with the losses of a run that never stopped (relative 1e-5;
@@ -22,7 +29,9 @@ one finished run, every step once, with the losses of a run that never stopped (
 the jobs' last lines give the state ``sacct`` reports after the end. SLURM holds a requeued job
 120 s (its ``BeginTime``); the check starts such jobs at once (``scontrol update StartTime=now``).
 Exit status: 0 when every case passes, 1 when one fails (a line each), 2 when the cluster cannot
-be installed or started. ``--keep`` keeps the folder (logs, stores); ``--cases`` picks cases.
+be installed or started. ``--keep`` keeps the folder (logs, stores); ``--cases`` picks cases;
+``--record DIR`` writes every change of every job's ``scontrol`` and ``sacct`` reading, a file a
+case (:class:`tools.slurm_case.Recorder`: the driver's tests replay them).
 """
 
 from __future__ import annotations
@@ -41,14 +50,11 @@ from pathlib import Path
 
 from tools.servers_check import GRID as SERVERS_GRID
 from tools.servers_check import ROOT
-from tools.slurm_case import Case, first_checkpoint, job_of, releasing, slurm, verify, wait
+from tools.slurm_case import Case, first_checkpoint, job_of, recording, releasing, slurm, verify, wait
 from tools.slurm_cluster import ClusterError, install, interrupt, running
+from tools.slurm_limits import case_refusals, case_refused_later, case_time_limit
 
 STEPS = 600  # a cell of some seconds: long enough to stop after its first checkpoint
-#: The time-limit case's cell: longer than the 90 s a 3-minute job trains before its warning, on a
-#: quiet machine too (16,000 steps took 70 s on a quiet CI machine: the job ended unwarned), and
-#: short enough under load for the three requeues submitit allows.
-LONG_STEPS = 32000
 #: The servers check's grid, its two first rows (``STEPS`` steps, a checkpoint every 20).
 GRID = (
     SERVERS_GRID.replace("name: servers", "name: slurm")
@@ -92,20 +98,6 @@ def case_requeue(case: Case, reference: Path) -> None:
         verify(case, wait(driver), reference, {run.name})
     if f"job {job}: requeued (run 2)" not in case.log():
         case.fail(f"the driver did not follow job {job} through its requeue")
-
-
-def case_time_limit(case: Case, reference: Path | None) -> None:
-    """One cell longer than a 3-minute job can train: warned 90 s before the limit (USR2),
-    requeued by submitit, resumed."""
-    with releasing(case):
-        command = case.command(1)
-        command[command.index("--time-limit") + 1] = "3"
-        driver = case.start([*command, "--rows", "baseline"])
-        run = first_checkpoint(case, [driver])
-        code = wait(driver, 900)
-    verify(case, code, None, {run.name}, rows=("baseline",))
-    if "requeued (run 2)" not in case.log():
-        case.fail("the job was not requeued at its time limit")
 
 
 def case_preempt(case: Case, reference: Path, partition: str, self_requeue: bool = False) -> None:
@@ -175,6 +167,8 @@ CASES: dict[str, Callable[[Case, Path], None]] = {
     "preempt-usr2": case_preempt_usr2,
     "two-node": case_two_node,
     "driver-killed": case_driver_killed,
+    "refusals": case_refusals,
+    "refused-later": case_refused_later,
 }
 
 
@@ -195,8 +189,11 @@ def reference_run(work: Path) -> Path:
     return results
 
 
-def run_check(work: Path, names: list[str], out: Callable[[str], None] = print) -> int:
-    """The cases ``names`` in ``work``; the exit status (see the module docstring)."""
+def run_check(
+    work: Path, names: list[str], out: Callable[[str], None] = print, record: Path | None = None
+) -> int:
+    """The cases ``names`` in ``work`` (each one's job readings into ``record``, a folder); the
+    exit status (see the module docstring)."""
     t0 = time.perf_counter()
     say = lambda line: out(f"[{time.perf_counter() - t0:5.0f} s] {line}")  # noqa: E731
     reference = reference_run(work)
@@ -207,20 +204,19 @@ def run_check(work: Path, names: list[str], out: Callable[[str], None] = print) 
         say(f"{version}: {cluster.nodes} slurmd on this host, accounting by slurmdbd ({cluster.conf})")
         for name in names:
             long = GRID.replace("val_every: 200", "val_every: 4000")
-            grid, steps = {"two-node": (TWO_NODE_GRID, STEPS), "time-limit": (long, LONG_STEPS)}.get(
-                name, (GRID, STEPS)
-            )
-            case = Case(name, work, cluster, grid, steps)
+            grid = {"two-node": TWO_NODE_GRID, "time-limit": long}.get(name, GRID)
+            case = Case(name, work, cluster, grid, STEPS)
             started = time.perf_counter()
             try:
-                CASES[name](case, reference)
+                with recording(cluster.env(), record / f"{name}.jsonl" if record else None):
+                    CASES[name](case, reference)
             except (RuntimeError, OSError, subprocess.TimeoutExpired, StopIteration) as err:
                 case.fail(f"{type(err).__name__}: {err}")
             finally:
                 slurm("scancel", "-u", "root", env=cluster.env())  # nothing of a case outlives it
             failures += case.failures
             verdict = "FAIL" if case.failures else "ok"
-            say(f"{name}: {verdict} in {time.perf_counter() - started:.0f} s")
+            say(f"{name}: {verdict} in {time.perf_counter() - started:.0f} s{case.note and ': ' + case.note}")
     for line in failures:
         out(f"FAIL: {line}")
     if not failures:
@@ -233,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.slurm_check", description=__doc__.split("\n")[0])
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder (logs, stores)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    parser.add_argument(
+        "--record", type=Path, default=None, help="a folder: every job reading, a file a case"
+    )
     args = parser.parse_args(argv)
     names = [n for n in args.cases.split(",") if n]
     if unknown := [n for n in names if n not in CASES]:
@@ -246,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="gated-slurm-"))
     try:
         install()
-        code = run_check(work, names)
+        if args.record:
+            args.record.mkdir(parents=True, exist_ok=True)
+        code = run_check(work, names, record=args.record)
     except ClusterError as err:
         print(f"slurm check: cannot run: {err}", file=sys.stderr)
         code = 2

@@ -15,7 +15,11 @@ background, without systemd and without cgroups, all of its files in one folder:
   machine and a share of its memory.
 
 Partitions, all over every node: ``batch`` (the default, grace time 0), ``grace`` (grace time
-:data:`GRACE_S`) and ``urgent``, whose jobs pre-empt the other two's.
+:data:`GRACE_S`), ``urgent``, whose jobs pre-empt the other two's, and ``short``, whose jobs may
+run :data:`SHORT_MAX_MIN` minutes (SLURM's default ``EnforcePartLimits=NO``: a longer job is
+accepted and pends for ever). Accounting enforces associations
+(``AccountingStorageEnforce=associations,limits``): a job of an account SLURM does not know is
+refused, and so is one over its association's limits (``sacctmgr``).
 
 Every command of the cluster reads its ``slurm.conf`` through ``SLURM_CONF``
 (:meth:`Cluster.env`). ``python -m tools.slurm_cluster`` starts one, prints that line and keeps it
@@ -53,6 +57,7 @@ PACKAGES = {
 SBIN = ("/usr/sbin", "/usr/bin")
 CLUSTER = "gatedattn"
 GRACE_S = 60  # the ``grace`` partition's GraceTime
+SHORT_MAX_MIN = 5  # the ``short`` partition's MaxTime, minutes
 NODE_MEMORY_MB = 4000  # each node's RealMemory: memory is tracked, as on a GPU cluster
 DB_USER, DB_PASSWORD = "slurm", "slurm-check"
 
@@ -267,6 +272,7 @@ class Cluster:
                 f"AccountingStoragePort={self.ports['dbd']}",
                 # the munge socket slurmctld and sacct reach slurmdbd with (AuthInfo's is not used)
                 f"AccountingStoragePass={self.path('munge', 'munge.socket')}",
+                "AccountingStorageEnforce=associations,limits",  # root's own account: made with the cluster
             ]
         for node in self.node_names:
             (self.folder / "spool" / node).mkdir(parents=True, exist_ok=True)
@@ -279,6 +285,7 @@ class Cluster:
             f"PartitionName=batch {every} Default=YES PriorityTier=1 GraceTime=0",
             f"PartitionName=grace {every} PriorityTier=1 GraceTime={GRACE_S}",
             f"PartitionName=urgent {every} PriorityTier=2 PreemptMode=OFF",
+            f"PartitionName=short {every.replace('INFINITE', str(SHORT_MAX_MIN))} PriorityTier=1",
         ]
         self.conf.parent.mkdir(parents=True, exist_ok=True)
         self.conf.write_text("\n".join(lines) + "\n")

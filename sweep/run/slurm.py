@@ -18,13 +18,19 @@ Pre-emption and time limits (docs/cluster.md):
   would end ``COMPLETED`` before SLURM kills it, requeues itself
   (:func:`~sweep.run.slurm_jobs.preempted_with_grace`). A cancelled job stays cancelled. Another
   worker, or the requeued job, resumes the cell from its checkpoint.
-- submitit's own signal (``--signal=USR2@90``: 90 s before the time limit, or at pre-emption
-  where the cluster sends a job's signal then, ``preempt_send_user_signal``) calls
-  :meth:`WorkerJob.checkpoint`: the worker is stopped the same way, then submitit requeues the
-  job (at most ``max_timeouts`` times for time limits). ``TIME_LIMIT`` must leave a job
-  :data:`MIN_TRAIN_S` before that signal (:func:`check_time_limit`).
+- submitit's own signal (``--signal=USR2@90``: 90 s before the time limit, up to 60 s earlier
+  by SLURM's resolution, or at pre-emption where the cluster sends a job's signal then,
+  ``preempt_send_user_signal``) calls :meth:`WorkerJob.checkpoint`: the worker is stopped the
+  same way, then submitit requeues the job, at most ``MAX_REQUEUES`` times for time limits
+  (:data:`MAX_REQUEUES`). A job past that bound stops saved, ends ``COMPLETED`` and says so
+  (:data:`REQUEUE_BOUND`); its cell waits in the queue for the next sweep. ``TIME_LIMIT`` must
+  leave a job :data:`MIN_TRAIN_S` before that signal (:func:`check_time_limit`).
 - The driver follows each job through its requeues until SLURM says it ended
   (:class:`~sweep.run.slurm_jobs.JobWatch`), then writes the tables.
+
+SLURM's refusals (a partition, an account, a time limit it does not take) are one line before
+anything is enqueued, and a sweep is never half-submitted (:mod:`sweep.run.slurm_submit`); every
+numeric option is checked before that (:func:`check_options`).
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from sweep.run import slurm_jobs
+from sweep.run import slurm_jobs, slurm_submit
+from sweep.run.slurm_submit import LauncherError
 from sweep.signals import child_preexec, die_with_parent, wait_forwarding
 
 if TYPE_CHECKING:  # lightning loads with it; the CLI's parser imports this module
@@ -53,15 +60,23 @@ CARRIED_ENV = ("MLFLOW_TRACKING_URI", "GATED_ATTN_CACHE", "SWEEP_SYSTEM_METRICS"
 POLL_S = 0.5  # how often a job looks at its worker
 #: submitit's warning before a job's time limit (``--signal=USR2@90``, its ``signal_delay_s``).
 SIGNAL_MARGIN_S = 90
+#: How much earlier than asked SLURM may send it: "up to 60 seconds earlier than specified"
+#: (sbatch(1), ``--signal``); a 3-minute job of ``make slurm-check`` was warned after 65 s.
+SIGNAL_EARLY_S = 60
 #: The least a job must train before that warning: start-up (imports, the store, the corpus)
 #: and a few steps. A shorter ``TIME_LIMIT`` is refused before anything is submitted.
 MIN_TRAIN_S = 90
+#: ``MAX_REQUEUES``' default: time-limit requeues of one job before it is left stopped, saved.
+#: 31 runs of a 24-hour partition finish a ``paper`` cell (5e21 FLOPs) at 4.7 % MFU on 128 A100s
+#: (docs/cluster.md, "How many requeues"); submitit's own default is 3.
+MAX_REQUEUES = 30
+#: What a job returns when submitit left it unrequeued at a time limit past ``MAX_REQUEUES``
+#: (its result pickle; the driver says so).
+REQUEUE_BOUND = "stopped at a time limit past MAX_REQUEUES"
+#: submitit's reason for that, in the exception its signal handler raises in the job.
+_TIMED_OUT_TOO_MANY = "timed-out too many times"
 
 _worker: subprocess.Popen | None = None  # the running job's worker (a module global: jobs are pickled)
-
-
-class LauncherError(RuntimeError):
-    """The jobs cannot be submitted (no submitit, no SLURM here): one line, before anything starts."""
 
 
 @dataclass
@@ -74,7 +89,7 @@ class ClusterSettings:
     gpus_per_worker: int = 1  # GPUS_PER_WORKER (the CLI gives gpus_per_job: the cells' train.devices)
     cpus_per_worker: int = 8  # CPUS_PER_WORKER: data loading, the corpus build, the probes
     time_limit_min: int = 240  # TIME_LIMIT, minutes per job (a requeued job starts a new one)
-    max_timeouts: int = 3  # requeues after a time limit before a job is left ended
+    max_requeues: int = MAX_REQUEUES  # MAX_REQUEUES: time-limit requeues before a job is left stopped
     nodes: int = 1  # machines per job: the cells' train.num_nodes (their ranks: srun torchrun)
     extra: dict[str, Any] = field(default_factory=dict)  # more submitit parameters (tests)
 
@@ -93,9 +108,8 @@ def make_executor(settings: ClusterSettings) -> Any:
         ) from None
     cluster = "slurm" if settings.launcher == "slurm" else "local"
     try:
-        executor = submitit.AutoExecutor(
-            folder=settings.folder / "%j", cluster=cluster, slurm_max_num_timeout=settings.max_timeouts
-        )
+        bound = {f"{cluster}_max_num_timeout": settings.max_requeues}  # submitit-local's too
+        executor = submitit.AutoExecutor(folder=settings.folder / "%j", cluster=cluster, **bound)
     except RuntimeError as err:  # no srun on this machine
         raise LauncherError(f"--launcher {settings.launcher}: {err}") from None
     params: dict[str, Any] = {
@@ -130,15 +144,32 @@ def _task_index() -> int:
 class WorkerJob:
     """One submitit job: a queue worker (``command``) run in ``cwd`` as a child process.
 
-    Called by submitit on the node; returns the worker's exit status. SIGTERM or SIGINT to the job
-    is passed on to the worker (which saves its cell and leaves); submitit's pre-emption signal
-    calls :meth:`checkpoint`."""
+    Called by submitit on the node; returns the worker's exit status, or :data:`REQUEUE_BOUND`
+    when submitit did not requeue it at a time limit past ``max_requeues`` (its worker stopped,
+    saved). SIGTERM or SIGINT to the job is passed on to the worker (which saves its cell and
+    leaves); submitit's pre-emption signal calls :meth:`checkpoint`."""
 
     command: list[str]
     cwd: str
     env: dict[str, str]
+    max_requeues: int = MAX_REQUEUES
 
-    def __call__(self) -> int:
+    def __call__(self) -> int | str:
+        from submitit.core.utils import UncompletedJobError
+
+        try:
+            return self._run()
+        except UncompletedJobError as err:  # raised by submitit's signal handler, after checkpoint
+            if _TIMED_OUT_TOO_MANY not in str(err):
+                raise
+            print(
+                f"time limit after MAX_REQUEUES={self.max_requeues} requeues: not requeued again; "
+                "the worker stopped saved, its cell back in the queue for the next sweep",
+                flush=True,
+            )
+            return REQUEUE_BOUND
+
+    def _run(self) -> int:
         global _worker
         # submitit-local's pre-emption signal (SIGUSR2) to the job id kills the job's controller,
         # our parent, and nothing else: hear of it as a SIGTERM, which stops the worker saved.
@@ -196,6 +227,8 @@ class SubmititLauncher:
         self.settings, self.poll_s = settings, poll_s
         self.on_slurm = settings.launcher == "slurm"
         self.executor = make_executor(settings)
+        if self.on_slurm:
+            slurm_submit.preflight(self.executor, settings.time_limit_min, settings.nodes, settings.partition)
         self.jobs: list[Any] = []
 
     def __call__(
@@ -208,14 +241,17 @@ class SubmititLauncher:
     ) -> None:
         """Submit ``count`` jobs of ``command`` (their workers get ``env`` added to the environment)
         and wait until every one has ended, on SLURM through its requeues (a line for each new
-        state), then say how each ended. A signal to the driver cancels them (each worker saves
-        its cell)."""
+        state), then say how each ended, and which stopped at ``MAX_REQUEUES``. A signal to the
+        driver cancels them (each worker saves its cell).
+
+        Raises:
+            LauncherError: sbatch refused a job (:func:`~sweep.run.slurm_submit.submit`)."""
         carried = {**{k: os.environ[k] for k in CARRIED_ENV if k in os.environ}, **env}
         from sweep.run.placement import NODES_ENV  # loads torch: not at the top, the CLI parser imports us
 
         carried[NODES_ENV] = str(self.settings.nodes)
-        job = WorkerJob(command, os.getcwd(), carried)
-        self.jobs = [self.executor.submit(job) for _ in range(count)]
+        job = WorkerJob(command, os.getcwd(), carried, self.settings.max_requeues)
+        self.jobs = slurm_submit.submit(self.executor, job, count)
         ids = ", ".join(str(j.job_id) for j in self.jobs)
         out(f"submitted {count} {self.settings.launcher} jobs ({ids}); logs in {self.settings.folder}/<job>")
         watch = slurm_jobs.JobWatch([str(j.job_id) for j in self.jobs], out) if self.on_slurm else None
@@ -228,14 +264,33 @@ class SubmititLauncher:
             time.sleep(self.poll_s)
         for j in self.jobs:  # read after the end: on SLURM as scontrol or sacct reports it
             state = watch.last[str(j.job_id)] if watch else slurm_jobs.JobState(j.state)
-            log = "" if state.state in ("COMPLETED", "FINISHED") else f"; its log: {j.paths.stdout}"
+            logs = f"; its log: {j.paths.stdout} (errors: {j.paths.stderr})"  # a traceback goes to stderr
+            log = "" if state.state in ("COMPLETED", "FINISHED") else logs
             out(f"job {j.job_id} ended {state.describe()}{log}")
+            if _returned(j) == REQUEUE_BOUND:
+                bound = self.settings.max_requeues
+                out(
+                    f"job {j.job_id} stopped at its time limit after MAX_REQUEUES={bound} requeues: "
+                    "its cell is saved and queued; the same command again resumes it"
+                )
         self.jobs = []  # let them go now: submitit's LocalJob fails in __del__ at interpreter exit
+
+
+def _returned(job: Any) -> Any:
+    """What the job's function returned (its result pickle), or None (none yet, or it failed)."""
+    import pickle
+
+    try:
+        with open(job.paths.result_pickle, "rb") as f:
+            outcome, value = pickle.load(f)
+    except (OSError, EOFError, ValueError, pickle.UnpicklingError):
+        return None
+    return value if outcome == "success" else None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``sweep`` command's launcher flags (Makefile ``LAUNCHER``, ``PARTITION``,
-    ``GPUS_PER_WORKER``, ``CPUS_PER_WORKER``, ``TIME_LIMIT``)."""
+    ``GPUS_PER_WORKER``, ``CPUS_PER_WORKER``, ``TIME_LIMIT``, ``MAX_REQUEUES``)."""
     default = ClusterSettings()
     parser.add_argument(
         "--launcher",
@@ -255,35 +310,75 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--time-limit", type=int, default=default.time_limit_min, help="minutes per job (then requeued)"
     )
+    parser.add_argument(
+        "--max-requeues",
+        type=int,
+        default=default.max_requeues,
+        help=f"time-limit requeues of a job before it stops, saved (default {default.max_requeues})",
+    )
 
 
 def check_time_limit(minutes: int) -> None:
     """Refuse a ``TIME_LIMIT`` that leaves a job less than :data:`MIN_TRAIN_S` before submitit's
-    warning, :data:`SIGNAL_MARGIN_S` before the limit: such a job is warned as it starts, and its
-    requeues (three for time limits) run out with its cell hardly begun. The CLI asks first,
-    before anything is written.
+    warning, which SLURM sends :data:`SIGNAL_MARGIN_S` before the limit and up to
+    :data:`SIGNAL_EARLY_S` earlier: such a job may be warned as it starts, and requeued again and
+    again with its cell hardly begun.
 
     Raises:
         LauncherError: one line, before anything is submitted.
     """
-    least = -(-(SIGNAL_MARGIN_S + MIN_TRAIN_S) // 60)
+    least = -(-(SIGNAL_MARGIN_S + SIGNAL_EARLY_S + MIN_TRAIN_S) // 60)
     if minutes < least:
         raise LauncherError(
             f"--time-limit {minutes}: a job is warned {SIGNAL_MARGIN_S} s before its limit (--signal=USR2@"
-            f"{SIGNAL_MARGIN_S}) and needs {MIN_TRAIN_S} s before that to start and train: give "
-            f"TIME_LIMIT={least} minutes or more"
+            f"{SIGNAL_MARGIN_S}), SLURM may send it up to {SIGNAL_EARLY_S} s earlier, and the job needs "
+            f"{MIN_TRAIN_S} s before that to start and train: give TIME_LIMIT={least} minutes or more"
         )
 
 
-def gpus_per_job(asked: int | None, devices: int) -> int:
-    """GPUs per node of each job: ``asked`` (``GPUS_PER_WORKER``), else the cells' ``train.devices``
-    (their ranks per node). 0 asks for none (a CPU cluster: the ranks use gloo).
+def check_options(args: argparse.Namespace) -> None:
+    """Refuse a launcher option out of range, before anything is written or submitted: the CLI
+    asks first. ``GPUS_PER_WORKER`` 0 or more (0: a job asks for no GPU, for cells on CPUs;
+    :func:`gpus_per_job` checks it against the cells), ``CPUS_PER_WORKER`` 1 or more,
+    ``MAX_REQUEUES`` 0 or more, ``TIME_LIMIT`` as :func:`check_time_limit` says.
 
     Raises:
-        LauncherError: ``asked`` is between 1 and ``devices``: the ranks of a cell would share GPUs.
+        LauncherError: one line naming the option and what it takes.
+    """
+    if args.gpus_per_worker is not None and args.gpus_per_worker < 0:
+        raise LauncherError(
+            f"--gpus-per-worker {args.gpus_per_worker}: GPUs per job and node, 0 or more "
+            "(0 for cells on CPUs; unset: the cells' train.devices)"
+        )
+    if args.cpus_per_worker < 1:
+        raise LauncherError(f"--cpus-per-worker {args.cpus_per_worker}: CPUs per job, 1 or more")
+    if args.max_requeues < 0:
+        raise LauncherError(
+            f"--max-requeues {args.max_requeues}: time-limit requeues of a job, 0 or more "
+            "(0: a job stops at its first time limit)"
+        )
+    check_time_limit(args.time_limit)
+
+
+def gpus_per_job(asked: int | None, devices: int, gpu_rows: list[str] | tuple[str, ...] = ()) -> int:
+    """GPUs per node of each job: ``asked`` (``GPUS_PER_WORKER``), else the cells' ``train.devices``
+    (their ranks per node). 0 asks for none (a CPU cluster: the ranks use gloo), which the rows
+    of ``gpu_rows`` (planned for a GPU: ``train.gpu_memory_gib`` set) do not take.
+
+    Raises:
+        LauncherError: ``asked`` is below 0; between 1 and ``devices`` (the ranks of a cell would
+            share GPUs); or 0 while ``gpu_rows`` need GPUs.
     """
     if asked is None:
         return devices
+    if asked < 0:
+        raise LauncherError(f"--gpus-per-worker {asked}: GPUs per job and node, 0 or more")
+    if asked == 0 and gpu_rows:
+        more = f" and {len(gpu_rows) - 1} more" if len(gpu_rows) > 1 else ""
+        raise LauncherError(
+            f"--gpus-per-worker 0: row {gpu_rows[0]}{more} trains on GPUs (train.gpu_memory_gib is set): "
+            f"give GPUS_PER_WORKER={devices}, or leave it unset"
+        )
     if 0 < asked < devices:
         raise LauncherError(
             f"--gpus-per-worker {asked}: the cells train on {devices} devices a node (train.devices), "
@@ -292,22 +387,28 @@ def gpus_per_job(asked: int | None, devices: int) -> int:
     return asked
 
 
-def launcher_for(args: argparse.Namespace, nodes: int = 1, devices: int = 1) -> SubmititLauncher | None:
-    """The launcher the flags ask for, its jobs of ``nodes`` nodes of :func:`gpus_per_job` GPUs
-    for cells of ``devices`` ranks a node; None for local processes.
+def launcher_for(args: argparse.Namespace, cells: list[Any]) -> SubmititLauncher | None:
+    """The launcher the flags ask for, for ``cells`` (:class:`sweep.grid.Cell`): jobs of their
+    ``train.num_nodes`` nodes of :func:`gpus_per_job` GPUs; None for local processes. On SLURM,
+    the partition and ``sbatch --test-only`` are asked first (:mod:`sweep.run.slurm_submit`).
 
     Raises:
-        LauncherError: see :func:`make_executor` and :func:`gpus_per_job`.
+        LauncherError: see :func:`make_executor`, :func:`gpus_per_job` and
+            :func:`sweep.run.slurm_submit.preflight`.
     """
     if args.launcher == "local":
         return None
+    train = [c.config.train for c in cells]
+    devices = max(t.devices for t in train)
+    gpu_rows = list(dict.fromkeys(c.row.id for c in cells if c.config.train.gpu_memory_gib > 0))
     settings = ClusterSettings(
         launcher=args.launcher,
         folder=Path(args.results) / "slurm",
         partition=args.partition,
-        gpus_per_worker=gpus_per_job(args.gpus_per_worker, devices),
+        gpus_per_worker=gpus_per_job(args.gpus_per_worker, devices, gpu_rows),
         cpus_per_worker=args.cpus_per_worker,
         time_limit_min=args.time_limit,
-        nodes=nodes,
+        max_requeues=args.max_requeues,
+        nodes=max(t.num_nodes for t in train),
     )
     return SubmititLauncher(settings)
