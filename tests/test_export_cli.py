@@ -194,9 +194,13 @@ def test_a_missing_export_extra_is_one_line_naming_the_install(
 def test_a_yarn_factor_that_is_not_a_finite_number_of_at_least_1_is_one_line_and_exit_2(
     micro: dict, tmp_path: Path, capsys, factor: str
 ) -> None:
-    assert export(micro, tmp_path, "baseline", f"--yarn={factor}") == 2
-    got = repr(factor) if factor == "abc" else float(factor)
-    assert capsys.readouterr().err == f"error: YARN: the factor must be a finite number >= 1, got {got}\n"
+    with pytest.raises(SystemExit) as refused:  # argparse's type, before anything loads or runs
+        export(micro, tmp_path, "baseline", f"--yarn={factor}")
+    assert refused.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: python -m sweep.cli export: argument --yarn: YARN: the factor must be a finite number "
+        f">= 1, got {factor}\n"
+    )
     assert not tmp_path.joinpath("micro-tiny").exists()
 
 
