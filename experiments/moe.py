@@ -175,11 +175,17 @@ class MoEFFN(nn.Module):
         # As carry_balance left it: a recomputation of this forward (activation checkpointing)
         # must add to the same earlier micro-batches, not to itself.
         before = self._carried if self.carry and self.training else None
-        self.stats = balancing_losses(
+        stats = balancing_losses(
             logits, probs, experts, self.global_batch and self.training, before, counts=counts
         )
-        if self.training:
-            self._step_so_far = self.stats
+        # A recomputation (activation checkpointing, inside the backward pass) computes the same
+        # statistics again, and must: the checkpoint wants every tensor the forward saved. Kept
+        # on the module they would hold the recomputed block's graph, its activations with it,
+        # through the backward and past it; the forward's own statistics are the ones the loss used.
+        if not recomputing():
+            self.stats = stats
+            if self.training:
+                self._step_so_far = stats
         # (N*k, d), expert 0's tokens first. Repeat, then permute: the backward of a permutation
         # adds nothing twice, so the gradient is bitwise reproducible (flat[token_of] is not on CPU:
         # its backward accumulates a token's k copies in whatever order the threads run).
@@ -206,6 +212,12 @@ class MoEFFN(nn.Module):
             align = group_align(grouped.device)
             return grouped_swiglu(grouped, counts, scale, w_gate_up, w_down, assigned_sorted, align)
         return looped_swiglu(grouped, counts, scale, w_gate_up, w_down)
+
+
+def recomputing() -> bool:
+    """Whether this forward runs inside a backward pass: an activation checkpoint's recomputation
+    (torch runs it eagerly, outside any compiled graph; a compiled forward is never inside one)."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
