@@ -32,7 +32,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from experiments.config import MoEConfig
-from experiments.experts import combine, expert_counts, group_align, grouped_swiglu, looped_swiglu
+from experiments.experts import (
+    GROUPED_MM,
+    GROUPED_MM_NAME,
+    combine,
+    expert_counts,
+    group_align,
+    grouped_swiglu,
+    looped_swiglu,
+)
 
 
 @dataclass
@@ -245,8 +253,8 @@ def grouped_mm_problem(device: torch.device, dtype: torch.dtype, d_model: int, e
 
 
 def _check_grouped_mm(device: torch.device, dtype: torch.dtype, d: int, f: int) -> str:
-    if not hasattr(F, "grouped_mm"):
-        return f"torch {torch.__version__} has no torch.nn.functional.grouped_mm"
+    if GROUPED_MM is None:
+        return f"torch {torch.__version__} has neither torch.nn.functional.grouped_mm nor torch._grouped_mm"
     gen = torch.Generator().manual_seed(0)
     counts = torch.tensor([3, 0, 13, 1], device=device)
     assigned = torch.repeat_interleave(torch.arange(4, device=device), counts)
@@ -281,7 +289,7 @@ def choose_experts_path(moe: MoEFFN, device: torch.device, dtype: torch.dtype) -
     d, f = moe.w_down.shape[-1], moe.w_down.shape[-2]
     problem = grouped_mm_problem(device, dtype, d, f) if moe.use_grouped_mm else "turned off (use_grouped_mm)"
     moe.use_grouped_mm = not problem
-    moe.experts_path = "grouped_mm" if not problem else f"looped: {problem}"
+    moe.experts_path = GROUPED_MM_NAME if not problem else f"looped: {problem}"
     if not problem and device.type == "cuda":
         moe.experts_path += _cuda_kernel_note(dtype)
     return moe.experts_path
