@@ -1,10 +1,10 @@
 # One entry point per task; every target sets up .venv by itself on a fresh machine.
 # Variables, used the same way by every target:
 #   GRID  grid file            (default grids/table1.yaml)
-#   SCALE tiny | small | paper (default tiny)
+#   SCALE tiny | cpu_long (grids/table1.yaml) | small | paper, or a grid's own (grids/own_data.yaml: neox); default tiny
 #   SEEDS number of seeds      (default: the grid's own)
 #   ROWS  comma-separated row ids (default: all)
-#   FORCE 1 retrains finished cells
+#   FORCE 1 retrains finished cells (make sweep) or replaces folders (make export); no other target takes it
 #   WORKERS  cells trained at once (default auto: one single-threaded worker per CPU core; on a GPU
 #            machine one per GPU, each pinned to its GPU); every sweep hands its cells out through
 #            the Optuna queue in STORAGE
@@ -64,7 +64,12 @@ endif
 ifeq ($(CPU_ARITH),native)
 export GATED_ATTN_CPU_ARITH := native
 endif
+# every sweep.cli target gets them; one that does not act on SEEDS or FORCE refuses it in one line
 ARGS := --grid '$(GRID)' --scale '$(SCALE)' $(if $(SEEDS),--seeds '$(SEEDS)') $(if $(ROWS),--rows '$(ROWS)') $(if $(FORCE),--force)
+# $(call whole,NAME): make stops with one line unless NAME holds a whole number of at least 1 (a
+# variable that reaches no Python first: TEST_TIMEOUT goes straight to pytest)
+digitless = $(subst 0,,$(subst 1,,$(subst 2,,$(subst 3,,$(subst 4,,$(subst 5,,$(subst 6,,$(subst 7,,$(subst 8,,$(subst 9,,$(1)))))))))))
+whole = $(if $(or $(filter-out 1,$(words $($(1)))),$(call digitless,$($(1))),$(filter 0%,$($(1)))),$(error $(1)=$($(1)): must be a whole number of at least 1))
 
 .PHONY: help headline export test-all test-gpu setup sweep budget data tokenizer-neox example-data corpus-bench results eval tables init-table params tune stability dashboard throughput bench bench-moe gpu-check compare ui ui-check servers-setup servers-check slurm-check test golden lint clean
 # `make` alone prints this list; docs/commands.md has every target and variable in tables, and
@@ -73,10 +78,10 @@ ARGS := --grid '$(GRID)' --scale '$(SCALE)' $(if $(SEEDS),--seeds '$(SEEDS)') $(
 define HELP
 make TARGET [GRID=... SCALE=... SEEDS=... ROWS=... ...]; every target and variable: docs/commands.md
 
-Train and report (python -m sweep.cli COMMAND)
+Train and report (python -m sweep.cli TARGET, but results and headline)
   sweep           train every unfinished cell of GRID at SCALE, score it, write the tables
-  tables          rewrite results/<grid>.* and its figures from the store, no training
-  budget          each row's Δ at 25, 50 and 100 % of training: results/<table>_budget.*
+  tables          rewrite results/<table>.* and its figures from the store, no training
+  budget          each row's Δ at 25, 50 and 100 % of training: results/<table>_budget.{md,csv}
   eval            benchmark finished runs that lack scores, then the tables
   params          parameters per row; each row's peak memory a GPU, planned and measured (SCALE=paper)
   data            build (or check) GRID's corpora at SCALE; DOWNLOAD=1 fetches hub sources first
@@ -84,8 +89,8 @@ Train and report (python -m sweep.cli COMMAND)
   stability       every row at every rung of the LR ladder (LADDER), never pruned
   results         every committed table and figure from a fresh clone, in order (hours)
   headline        results/figures/headline.png from the committed three-seed tables
-  export          RUNS=a,b: finished runs as Hugging Face transformers folders (DEST, FORCE)
-Look at the runs (python -m sweep.browse COMMAND)
+  export          RUNS=a,b: finished runs as Hugging Face transformers folders (DEST, FORCE, YARN)
+Look at the runs (python -m sweep.browse TARGET)
   ui              print the URL of GRID's runs, then serve the MLflow UI (PORT)
   compare         RUNS=a,b: the config keys that differ, every metric, one figure
   dashboard       optuna-dashboard on the LR searches' storage (DASHBOARD_PORT)
@@ -126,7 +131,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 sweep: $(STAMP)
-	$(PY) -m sweep.cli sweep $(ARGS) --workers $(WORKERS) --cells-per-gpu $(CELLS_PER_GPU) $(LAUNCH)
+	$(PY) -m sweep.cli sweep $(ARGS) --workers '$(WORKERS)' --cells-per-gpu '$(CELLS_PER_GPU)' $(LAUNCH)
 
 # Table 1's key rows past early training (issue 31): 2,400 steps, three seeds, 24 cells (about 2 h)
 CPU_LONG_ROWS := baseline,sdpa_elementwise,sdpa_headwise,dense_output,sdpa_additive_silu,sdpa_elementwise_silu,sdpa_input_independent,q48
@@ -144,8 +149,8 @@ results: $(STAMP)
 	$(MAKE) sweep GRID=grids/table4.yaml SEEDS=3
 	$(MAKE) sweep GRID=grids/table3.yaml SEEDS=3
 	$(MAKE) sweep GRID=grids/table1.yaml SCALE=cpu_long SEEDS=3 ROWS=$(CPU_LONG_ROWS)
-	$(MAKE) tables GRID=grids/table1.yaml SCALE=cpu_long
-	$(MAKE) budget GRID=grids/table1.yaml SCALE=cpu_long SEEDS=3
+	$(MAKE) tables GRID=grids/table1.yaml SCALE=cpu_long FORCE=
+	$(MAKE) budget GRID=grids/table1.yaml SCALE=cpu_long SEEDS=3 FORCE=
 	$(MAKE) headline
 	$(MAKE) sweep GRID=grids/table2.yaml
 	$(MAKE) sweep GRID=grids/table2.yaml SEEDS=3
@@ -172,7 +177,7 @@ tokenizer-neox: $(STAMP)
 # bytes; kill -9 then rerun gives the same bytes (tools/corpus_bench.py; run it alone). JSONL=file
 # benches your own JSON lines; AGAINST=checkout times an older commit's build beside this one
 corpus-bench: $(STAMP)
-	$(PY) -m tools.corpus_bench $(if $(MB),--mb $(MB)) $(if $(JSONL),--file $(JSONL)) $(if $(AGAINST),--against $(AGAINST))
+	$(PY) -m tools.corpus_bench $(if $(MB),--mb '$(MB)') $(if $(JSONL),--file '$(JSONL)') $(if $(AGAINST),--against '$(AGAINST)')
 
 # grids/own_data.yaml's files: a JSON-lines and a Parquet file written from two package sources
 example-data: $(STAMP)
@@ -182,7 +187,7 @@ tables: $(STAMP)
 	$(PY) -m sweep.cli tables $(ARGS)
 
 # each row's Δ (and share of G1's gain, and Δ to G1) at 25, 50 and 100 % of training, from the
-# store's learning curves: results/<table stem>_budget.{md,csv} (sweep/report/budget.py)
+# store's learning curves: results/<table>_budget.{md,csv}, <table> the table's own file name (sweep/report/budget.py)
 budget: $(STAMP)
 	$(PY) -m sweep.cli budget $(ARGS)
 
@@ -199,17 +204,17 @@ params: $(STAMP)
 	$(PY) -m sweep.cli params $(ARGS)
 
 tune: $(STAMP)
-	$(PY) -m sweep.cli tune $(ARGS) --trials $(TRIALS)
+	$(PY) -m sweep.cli tune $(ARGS) --trials '$(TRIALS)'
 
 # every row of the stability grid at every rung of its LR ladder, never pruned; resumable (a rerun
 # trains only missing rungs); then results/<grid>_lr_ladder.{md,csv} and figures/<grid>_lr_ladder.png.
 # GRID given on the command line replaces grids/stability.yaml (docs/lr-search.md).
 stability: $(STAMP)
 	$(PY) -m sweep.cli stability --grid '$(if $(filter command line,$(origin GRID)),$(GRID),grids/stability.yaml)' \
-		--scale '$(SCALE)' $(if $(ROWS),--rows '$(ROWS)') $(if $(LADDER),--ladder $(LADDER))
+		--scale '$(SCALE)' $(if $(ROWS),--rows '$(ROWS)') $(if $(LADDER),--ladder '$(LADDER)')
 
 dashboard: $(STAMP)
-	$(PY) -m sweep.browse dashboard --port $(DASHBOARD_PORT)  # the storage URL comes from GATED_ATTN_STORAGE
+	$(PY) -m sweep.browse dashboard --port '$(DASHBOARD_PORT)'  # the storage URL comes from GATED_ATTN_STORAGE
 
 # training speed in one process: tokens/s of each row (and a MoE row's dense twin), the harness
 # against a bare loop, one step's breakdown (tools/throughput/)
@@ -272,7 +277,7 @@ export: $(STAMP)
 # prints the URL of GRID's runs at SCALE (the Runs tab, sorted by Avg PPL, a table's columns),
 # then serves the MLflow UI on the store with one worker
 ui: $(STAMP)
-	$(PY) -m sweep.browse ui --grid '$(GRID)' --scale '$(SCALE)' --port $(PORT)
+	$(PY) -m sweep.browse ui --grid '$(GRID)' --scale '$(SCALE)' --port '$(PORT)'
 
 # the fast tier (model, gates, probes, grid, config, tables, the micro sweep end to end): about 3 min
 test: $(STAMP)
@@ -282,12 +287,12 @@ test: $(STAMP)
 # after TEST_TIMEOUT seconds, the slowest 25 listed at the end; CI runs it after `make test`
 TEST_TIMEOUT ?= 900
 test-all: $(STAMP)
-	$(PY) -m pytest -m "not gpu" -q --timeout=$(TEST_TIMEOUT) --durations=25
+	$(call whole,TEST_TIMEOUT)$(PY) -m pytest -m "not gpu" -q --timeout=$(TEST_TIMEOUT) --durations=25
 
 # the tests that need CUDA (expert kernel parity forward and backward, bf16 routing, probes and a
 # bf16 step on the GPU); each is skipped without one. make gpu-check runs them first.
 test-gpu: $(STAMP)
-	$(PY) -m pytest -m gpu -q --timeout=$(TEST_TIMEOUT)
+	$(call whole,TEST_TIMEOUT)$(PY) -m pytest -m gpu -q --timeout=$(TEST_TIMEOUT)
 
 # a change meant to move the numbers: bump NUMBERS_VERSION in experiments/numerics.py, then this
 # rewrites tests/golden/micro.json from the micro sweep, for this machine's pinned arithmetic and

@@ -5,9 +5,9 @@ layer's pre-normalised hidden state of the token that Y belongs to. The projecti
 computed here: the attention layer fuses it into its q|k|v projection (one matmul, as in the
 official training code, issue #11) and hands this module the gate's slice of that output.
 
-Shapes: ``H`` gate heads (query heads for G1/G4, KV heads for G2/G3, one for G5), ``D`` the
-channel width per head (``head_dim``, or ``d_model`` for G5), ``W`` the score width per head
-(``D`` elementwise, 1 headwise).
+Shapes: ``H`` gate heads (query heads for G1/G4, KV heads for G2/G3, one for G5 elementwise,
+``n_heads`` channel groups for G5 headwise), ``D`` the channel width per head (``head_dim``, or
+``d_model / H`` for G5), ``W`` the score width per head (``D`` elementwise, 1 headwise).
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ class AttentionGate(nn.Module):
         self.width = self.dim if cfg.granularity == "elementwise" else 1
         self.activation = ACTIVATIONS[cfg.activation]
         if cfg.kind == "gate" and not cfg.input_dependent:
-            # Table 4 row 6: learnable q x d_k scores, zero-initialised (sigmoid(0) = 0.5).
-            self.static_logits = nn.Parameter(torch.zeros(self.heads, self.width))
+            # Table 4 row 6: learnable q x d_k scores, zero-initialised (sigmoid(0) = 0.5); another
+            # static_init starts them elsewhere (a LayerScale's 0.5 with the identity activation)
+            self.static_logits = nn.Parameter(torch.full((self.heads, self.width), cfg.static_init))
         if cfg.kind == "rmsnorm":
             self.norm = nn.RMSNorm(self.dim, eps=model.norm_eps, elementwise_affine=False)
             self.norm_weight = nn.Parameter(torch.ones(self.heads, self.dim))

@@ -207,8 +207,8 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         y = self._gated("sdpa", y.transpose(1, 2), g)  # G1: (B, T, H, D)
         out = self.o_proj(y.reshape(b, t, -1))
-        if self.gate_position == "dense":  # G5 after W_O
-            out = self.gate(out.view(b, t, 1, -1), g).view(b, t, -1)
+        if self.gate_position == "dense":  # G5 after W_O, before the residual add
+            out = self.gate(out.view(b, t, self.gate.heads, self.gate.dim), g).view(b, t, -1)
         return out
 
     def _explicit_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ offending field's key. ``experiments.config`` re-exports every name here.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -33,14 +34,30 @@ class GateConfig:
     ``kind="gate"`` is the paper's gate. ``kind="rmsnorm"`` and ``kind="silu"`` are the two
     non-gate controls of Table 3 (rows 5 and 6): per-head RMSNorm on the SDPA output, and
     parameter-free SiLU on it; they only exist at position ``sdpa``.
+
+    The dense-output gate (G5, Table 1 row 9) multiplies ``W_O``'s output, before the residual
+    add, by act(X W) with X the pre-normed hidden state, as every other gate: an ``n x d_model``
+    score. Headwise, it has one score per group of ``d_model / n_heads`` consecutive output
+    channels (n x q scores, ``d * q`` parameters a layer, as G1 headwise): ``W_O`` mixes the
+    heads, so the groups are not heads. A scalar per head on each head's own term ``y_h W_O^h``
+    is G1 headwise exactly (a scalar commutes with ``W_O^h``), so it is no G5 variant.
+
+    The input-independent gate (``input_dependent: false``, Table 4 row 6) learns one logit per
+    score, the same for every token, from ``static_init``: with ``activation: identity`` and
+    ``static_init: 0.5`` it is a LayerScale (Touvron et al. 2021, "Going deeper with image
+    transformers", Section 3) starting at a sigmoid gate's mean score at initialisation.
     """
+
+    #: options added after runs were keyed: left out of run keys while at their default
+    KEYED_WHEN_SET: ClassVar[tuple[str, ...]] = ("static_init",)
 
     position: GatePosition = "sdpa"
     """Where the gate acts: G1 ``sdpa`` output, G2 ``value``, G3 ``key``, G4 ``query``, G5 ``dense``."""
     kind: GateKind = "gate"
     """``gate`` (a learned score), or a Table 3 control: ``rmsnorm`` or ``silu`` on the SDPA output."""
     granularity: Granularity = "elementwise"
-    """``elementwise``: one score per channel; ``headwise``: one scalar per head."""
+    """``elementwise``: one score per channel; ``headwise``: one scalar per head (G5: per group of
+    ``d_model / n_heads`` output channels)."""
     sharing: Sharing = "head_specific"
     """``head_shared`` averages the scores over the heads (the paper's n x d_k score)."""
     combine: Combine = "multiplicative"
@@ -48,28 +65,39 @@ class GateConfig:
     activation: Activation = "sigmoid"
     """``sigmoid``, ``silu``, ``ns_sigmoid`` (0.5 + 0.5 sigmoid, Table 4 row 7) or ``identity``."""
     input_dependent: bool = True
-    """False: a zero-initialised learnable score, the same for every token (Table 4 row 6)."""
+    """False: a learnable score, the same for every token (Table 4 row 6), its logits starting at
+    ``static_init``."""
+    static_init: float = 0.0
+    """Initial value of every logit of an input-independent gate: 0 is Table 4 row 6's zero init
+    (sigmoid(0) = 0.5); with ``activation: identity``, the starting scale of a LayerScale."""
 
     def __post_init__(self) -> None:
         check_literals(self)
+        if not math.isfinite(self.static_init):
+            raise ConfigError("static_init", f"must be a finite number, got {self.static_init}")
+        if self.static_init != 0.0 and (self.kind != "gate" or self.input_dependent):
+            raise ConfigError(
+                "static_init", "sets the logits of an input-independent gate only (input_dependent: false)"
+            )
         if self.kind != "gate":
             if self.position != "sdpa":
                 raise ConfigError("position", f"kind '{self.kind}' acts on the SDPA output only; use 'sdpa'")
             return
-        if self.position == "dense" and (
-            self.granularity != "elementwise" or self.sharing != "head_specific"
-        ):
+        if self.position == "dense" and self.sharing != "head_specific":
             raise ConfigError(
-                "granularity", "the dense-output gate (G5) has no heads: use elementwise, head_specific"
+                "sharing", "the dense-output gate (G5) has no per-head scores to share: use head_specific"
             )
 
     def heads_and_dim(self, model: ModelConfig) -> tuple[int, int]:
         """(H, D): the heads the gate acts on and the channels per head, by position (query heads
-        for G1 / G4, KV heads for G2 / G3, one "head" of ``d_model`` for G5)."""
+        for G1 / G4, KV heads for G2 / G3; for G5 one "head" of ``d_model`` elementwise, and
+        ``n_heads`` groups of ``d_model / n_heads`` output channels headwise)."""
         if self.position in ("sdpa", "query"):
             return model.n_heads, model.head_dim
         if self.position in ("value", "key"):
             return model.n_kv_heads, model.head_dim
+        if self.granularity == "headwise":
+            return model.n_heads, model.d_model // model.n_heads
         return 1, model.d_model
 
     def score_width(self, model: ModelConfig) -> int:
@@ -206,6 +234,13 @@ class ModelConfig:
             raise ConfigError("ffn_multiple_of", f"must be positive, got {self.ffn_multiple_of}")
         if self.match_params and self.moe is not None:
             raise ConfigError("match_params", "narrows the dense FFN; a MoE model (moe set) has none")
+        gate = (self.gate.position, self.gate.granularity) if self.gate is not None else None
+        if gate == ("dense", "headwise") and self.d_model % self.n_heads:
+            raise ConfigError(
+                "gate.granularity",
+                f"a headwise G5 gate splits d_model={self.d_model} into n_heads={self.n_heads} equal groups; "
+                "n_heads must divide d_model",
+            )
         if self.match_params and self.effective_ffn_dim() <= 0:
             raise ConfigError("match_params", "the gate has more parameters than the whole FFN")
 

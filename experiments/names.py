@@ -39,6 +39,9 @@ CORPUS_TAG = "corpus"
 CORPUS_FINGERPRINT_TAG = "corpus_fingerprint"
 """A cell run's tag: the fingerprint of the bytes it trained on (``Corpus.fingerprint``); a run whose
 fingerprint is not its corpus's today is no result (``sweep.store.Tracker.current_state``)."""
+TOKENIZER_SHA256_TAG = "tokenizer_sha256"
+"""A cell run's tag: the sha256 of the ``tokenizer.json`` it trained with, which it stores as the
+artifact of that name when training starts; ``make export`` ships that file (docs/export.md)."""
 METRIC_STEPS_UPDATES = "updates"
 #: Run tag: the precision Lightning trained in (``train.precision: auto`` resolved on the machine,
 #: ``32-true`` on a CPU, ``bf16-mixed`` on a GPU); a resume in another is refused (sweep.run.placement).
@@ -51,6 +54,7 @@ DIVERGED_STEP = "stability/diverged_step"
 
 GATE_PREFIX = "gate/"  # gate/score_mean, gate/score_q01 ... q99, gate/frac_below_0.1 ...
 GATE_SCORE_MEAN = "gate/score_mean"
+GATE_FRAC_BELOW_01 = "gate/frac_below_0.1"  # share of the gate's scores below 0.1, mean over layers
 F_ATTN = "sink/first_token_attn"  # attention on the first token, mean over layers, heads and queries
 F_ATTN_LATE = "sink/first_token_attn_late"  # the same without the first LATE_QUERY queries
 F_ATTN_FLOOR = "sink/first_token_floor"  # what uniform causal attention gives at the probe's T
@@ -289,8 +293,9 @@ class Kind:
 # --- table columns -----------------------------------------------------------------------------------
 
 ProbeColumn = Literal[
-    "gate_score", "m_act", "f_attn", "f_attn_late", "loss_spikes", "logit_std_init", "branch_scale_init"
-]
+    "gate_score", "gate_frac_below", "m_act", "f_attn", "f_attn_late", "loss_spikes", "logit_std_init",
+    "branch_scale_init",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -313,6 +318,14 @@ PROBE_COLUMNS: dict[str, Column] = {
         3,
         "Gate score: mean gate score over layers on the fixed probe batch (— without a gate). ",
         True,
+    ),
+    "gate_frac_below": Column(
+        GATE_FRAC_BELOW_01,
+        "Scores under 0.1",
+        3,
+        "Scores under 0.1: the share of gate scores below 0.1 on the probe batch, mean over layers "
+        "(— without a gate). ",
+        False,
     ),
     "m_act": Column(
         M_ACT,

@@ -44,7 +44,9 @@ class TrainConfig:
     val_tokens: int = 16384
     """Held-out tokens per domain per validation."""
     log_every: int = 1
-    """Log training metrics every N steps."""
+    """Log training metrics every N steps. More than ``max_steps`` is clamped to it: Lightning logs
+    the loss only at every N-th step, so a run would otherwise end with no ``train/loss`` point
+    (the grid's loader says so in one line, ``sweep.grid.Grid.log_every_notes``)."""
     precision: Literal["auto", "32-true", "bf16-mixed"] = "auto"
     """``auto``: bf16-mixed on a CUDA GPU with native bf16, fp32 on an older GPU and on the CPU
     (``experiments.devices.auto_precision``)."""
@@ -136,6 +138,8 @@ class TrainConfig:
         ):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ConfigError(name, f"must be positive, got {getattr(self, name)}")
+        if self.log_every > self.max_steps:  # a smoke-test budget under a scale's log_every: log at the end
+            object.__setattr__(self, "log_every", self.max_steps)  # frozen: set once, here
         for name in (
             "probe_every",
             "checkpoint_every",

@@ -17,9 +17,13 @@ Exit status: 0 on success, 2 on bad input (grid, store, ``--runs``) with one lin
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import socket
 import sys
 from pathlib import Path
+
+from sweep.cli_parser import OneLineParser, whole  # light: argparse, no torch
 
 # The harness's modules (MLflow, matplotlib, pandas: seconds to import) are imported inside
 # main, so a Ctrl-C while they load is one line too.
@@ -34,7 +38,7 @@ COMMANDS = (
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m sweep.browse",
         description="Look at what a sweep tracked: the MLflow UI, two runs side by side, the LR searches.",
         epilog="Exit status: 0 done; 2 bad input (grid, store, --runs), one line; 130 after Ctrl-C.",
@@ -47,12 +51,13 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--grid", default="grids/table1.yaml", help="grid YAML file")
         s.add_argument("--scale", default="tiny", help="scale profile of the grid")
         s.add_argument("--results", default="results", help="results folder (store, figures)")
-    sub.choices["ui"].add_argument("--port", type=int, default=5000, help="the UI's port on 127.0.0.1")
+    port = whole(1, 65535)
+    sub.choices["ui"].add_argument("--port", type=port, default=5000, help="the UI's port on 127.0.0.1")
     sub.choices["ui"].add_argument("--print-only", action="store_true", help="print the URL only")
     sub.choices["compare"].add_argument("--runs", required=True, help="two run ids or row ids, a,b")
     board = sub.choices["dashboard"]
     board.add_argument("--results", default="results", help="results folder (results/optuna.db)")
-    board.add_argument("--port", type=int, default=8080, help="the dashboard's port on 127.0.0.1")
+    board.add_argument("--port", type=port, default=8080, help="the dashboard's port on 127.0.0.1")
     return p
 
 
@@ -80,13 +85,35 @@ def _browse(args: argparse.Namespace, results: Path) -> int:
         grid.cells(args.scale)  # the scale exists
         uri = tracking_uri(results)
         _existing(uri)
+        if args.command == "ui" and not args.print_only and not uri.startswith(("http://", "https://")):
+            _refuse_a_taken_port(args.port)  # before the UI's view is tagged: nothing written
         tracker = Tracker(uri, experiment_name(grid.name, args.scale), results / "mlartifacts")
         if args.command == "compare":
             return _compare(args.runs, grid, args.scale, results, tracker)
         return _ui(uri, tracker, grid, args.scale, args.port, args.print_only)
-    except (GridError, TrackingError, CompareError) as err:
+    except (GridError, TrackingError, CompareError, PortTaken) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+
+
+class PortTaken(RuntimeError):
+    """The port asked for cannot be served here; ``str()`` is the one line."""
+
+
+def _refuse_a_taken_port(port: int) -> None:
+    """Bind 127.0.0.1:``port`` as a server would (``SO_REUSEADDR``), then let it go: a port in use
+    is one line now, not the server's traceback after the store was opened.
+
+    Raises:
+        PortTaken: in use, or not ours to bind.
+    """
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as err:
+            why = "is in use" if err.errno == errno.EADDRINUSE else f"cannot be served ({err.strerror})"
+            raise PortTaken(f"--port {port}: 127.0.0.1:{port} {why}; give another port") from None
 
 
 def _existing(uri: str) -> None:
@@ -158,9 +185,10 @@ def _dashboard(results: Path, port: int) -> int:
     from sweep.studies import make_storage, storage_url
 
     try:
+        _refuse_a_taken_port(port)
         url = storage_url(results, os.environ.get(STORAGE_ENV) or None)
         storage = make_storage(url)  # creates the tables of a new file, as the sweep would
-    except (ValueError, TrackingError) as err:  # a path a URL cannot hold; no driver, no server
+    except (ValueError, TrackingError, PortTaken) as err:  # a path a URL cannot hold; no driver, no server
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"optuna-dashboard on {hide_password(url)}: open http://127.0.0.1:{port}/", flush=True)

@@ -10,6 +10,7 @@ stays); 130 / 143 after Ctrl-C / SIGTERM.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import sys
@@ -26,14 +27,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 class UsageError(RuntimeError):
     """Bad input that is not in a grid file (a results folder, say)."""
-
-
-def _workers(value: str) -> int | None:
-    """``--workers``: a count, or None for ``auto`` (resolved from the cells:
-    :func:`sweep.run.gpus.auto_workers`). 0 for anything else (rejected)."""
-    if value == "auto":
-        return None
-    return int(value) if value.isdigit() else 0
 
 
 def _writable(results: Path) -> None:
@@ -66,61 +59,78 @@ def _command_line() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; see the module docstring for the exit status."""
+    """Run one command; see the module docstring for the exit status. The command line is read
+    before anything heavy is imported: ``--help`` and a refused flag answer at once."""
     from sweep.signals import Unwound, unwinding
 
+    args = parser().parse_args(argv)  # argparse's refusals: one line, exit 2 (cli_parser.OneLineParser)
+    try:
+        refuse_bad_numbers(args)
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     try:
         with unwinding():
-            return _main(argv)
+            return _main(args)
     except KeyboardInterrupt as err:  # outside training (which StopRequest handles): loading, scoring, tables
-        command = next(iter(argv if argv is not None else sys.argv[1:]), "sweep")
         code = err.exit_code if isinstance(err, Unwound) else 130
         print(
-            f"{command} {'stopped by SIGTERM' if code == 143 else 'interrupted'}: no "
+            f"{args.command} {'stopped by SIGTERM' if code == 143 else 'interrupted'}: no "
             "table or figure was half-written; run the same command again to finish",
             file=sys.stderr,
         )
         return code
 
 
-def _main(argv: list[str] | None) -> int:
+def refuse_bad_numbers(args: argparse.Namespace) -> None:
+    """The checks of the options that argparse's types cannot make alone (a bound another module
+    holds, two options together); argparse has parsed every number already.
+
+    Raises:
+        UsageError: one line naming the option.
+    """
+    from sweep.gridfile import MAX_SEEDS  # light: no torch
+    from sweep.run.slurm import LauncherError, check_time_limit
+
+    if args.seeds is not None and not 1 <= args.seeds <= MAX_SEEDS:
+        raise UsageError(f"--seeds must be 1 to {MAX_SEEDS}, got {args.seeds}")
+    if args.rows is not None and not [r for r in args.rows.split(",") if r.strip()]:
+        raise UsageError(f"--rows names no row id, got {args.rows!r} (leave it out for every row)")
+    launcher = getattr(args, "launcher", "local")
+    if launcher != "local" and args.workers is None:
+        raise UsageError(f"--launcher {launcher} needs --workers N (the number of jobs)")
+    if launcher != "local":
+        try:
+            check_time_limit(args.time_limit)
+        except LauncherError as err:
+            raise UsageError(str(err)) from None
+    for option in ("lr_range", "ladder"):
+        if getattr(args, option, None) is not None:
+            _floats(getattr(args, option), option.replace("_", "-"))
+
+
+def _main(args: argparse.Namespace) -> int:
     # Imported here, not at the top: a Ctrl-C while they load (a second or so) is then one line.
     from experiments.corpus import CorpusDamaged, CorpusError
     from experiments.names import Outcome
     from sweep.eval.after import score_benchmarks, score_long_context
     from sweep.eval.suite import BenchError
-    from sweep.grid import MAX_SEEDS, load_grid
+    from sweep.grid import load_grid
     from sweep.gridfile import GridError
     from sweep.run.gpus import GpuLayoutError
-    from sweep.run.slurm import LauncherError, check_time_limit, launcher_for
+    from sweep.run.slurm import LauncherError, launcher_for
     from sweep.store_urls import TrackingError
+    from sweep.studies import HEARTBEAT_S
 
-    args = parser().parse_args(argv)
-    if args.seeds is not None and not 1 <= args.seeds <= MAX_SEEDS:
-        print(f"error: --seeds must be 1 to {MAX_SEEDS}, got {args.seeds}", file=sys.stderr)
-        return 2
-    if getattr(args, "launcher", "local") != "local" and args.workers == "auto":
-        print(f"error: --launcher {args.launcher} needs --workers N (the number of jobs)", file=sys.stderr)
-        return 2
-    if getattr(args, "launcher", "local") != "local":
-        try:
-            check_time_limit(args.time_limit)
-        except LauncherError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-    if hasattr(args, "workers"):
-        args.workers = _workers(args.workers)
+    if hasattr(args, "heartbeat") and args.heartbeat is None:
+        args.heartbeat = HEARTBEAT_S
     if getattr(args, "no_system_metrics", False):  # the workers inherit it
         from sweep.run.sysmetrics import ENV
 
         os.environ[ENV] = "0"
-    for flag in ("workers", "heartbeat", "cells_per_gpu"):
-        if getattr(args, flag, None) is not None and getattr(args, flag) < 1:  # workers None: auto
-            print(f"error: --{flag} must be at least 1, got {getattr(args, flag)}", file=sys.stderr)
-            return 2
     seeds = list(range(args.seeds)) if args.seeds else None
-    rows = [r for r in args.rows.split(",") if r] if args.rows else None
-    results = Path(args.results)
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()] if args.rows else None
+    results = Path(args.results) if hasattr(args, "results") else None  # params and data write none
     try:
         grid = load_grid(args.grid)
         cells = grid.cells(args.scale, seeds=seeds, rows=rows)
@@ -134,7 +144,11 @@ def _main(argv: list[str] | None) -> int:
 
             cluster = args.command == "sweep" and args.launcher != "local"  # it sizes the jobs
             check_runnable(grid, cells, None if cluster else job_nodes() if args.command == "worker" else 1)
-        _writable(results)
+        if args.command in ("sweep", "tune", "stability"):  # the worker's driver said it
+            for line in grid.log_every_notes(cells):
+                print(line)
+        if results is not None:
+            _writable(results)
         if args.command == "export":
             from sweep.export.command import run_export
 
@@ -280,12 +294,19 @@ def _worker(args: argparse.Namespace, grid, cells, results: Path, cache: Path | 
 
 
 def _floats(text: str, what: str) -> list[float]:
+    """``a,b,c`` as finite positive numbers (``--lr-range``, ``--ladder``).
+
+    Raises:
+        UsageError: anything else, naming the option.
+    """
     try:
-        values = [float(v) for v in text.split(",") if v]
+        values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise UsageError(f"--{what}: expected comma-separated numbers, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise UsageError(f"--{what}: expected positive numbers, got {text!r}")
+    if not values or not all(math.isfinite(v) and v > 0 for v in values):
+        raise UsageError(f"--{what}: expected finite positive numbers, got {text!r}")
+    if what == "lr-range" and (len(values) != 2 or values[0] >= values[1]):
+        raise UsageError(f"--lr-range: expected lo,hi with lo < hi, got {text!r}")
     return values
 
 
@@ -296,11 +317,7 @@ def _tune(args: argparse.Namespace, grid, cells, results: Path) -> int:
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     lr_range = _floats(args.lr_range, "lr-range")
-    if len(lr_range) != 2 or lr_range[0] >= lr_range[1]:
-        raise UsageError(f"--lr-range: expected lo,hi with lo < hi, got {args.lr_range!r}")
     ladder = _floats(args.ladder, "ladder") if args.ladder else None
-    if args.trials < 1:
-        raise UsageError("--trials must be at least 1")
     studies = _studies(args, grid, cells, results, args.trials, tuple(lr_range), ladder)
     if isinstance(studies, int):  # stopped by a signal
         return studies

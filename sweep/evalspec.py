@@ -11,11 +11,16 @@ from dataclasses import dataclass, field
 from importlib import metadata
 
 from experiments.longctx_config import LongContextConfig
-from experiments.strict import ConfigError
+from experiments.strict import ConfigError, to_dict
 from sweep.gridfile import NAME
 
 #: RULER's tasks that lm-eval generates with no download (``sweep.eval.ruler``).
 RULER_OFFLINE = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "vt", "cwe", "fwe")
+#: A run's tag once its long-context scores are logged: the :meth:`LongContextSpec.recipe` they
+#: were made with (runs scored before recipes were recorded say ``scored``, which no recipe is).
+LONGCTX_TAG = "longctx"
+#: A run's tag naming the RULER tasks its long-context scores hold, comma-separated (may be empty).
+LONGCTX_RULER_TAG = "longctx_ruler"
 
 
 @functools.cache
@@ -150,3 +155,19 @@ class LongContextSpec(LongContextConfig):
     def scores(self, row: str) -> bool:
         """Whether the long-context evaluation scores ``row``'s cells."""
         return not self.rows or row in self.rows
+
+    def recipe(self) -> str:
+        """What a run's long-context scores were made with, as 12 hex digits: every setting of
+        the section (the lengths, the YaRN factor, the windows, the passkeys, ``ruler_limit``) but
+        which rows and which RULER tasks it scores. The scores count only while the run's tag
+        ``longctx`` (:data:`LONGCTX_TAG`) says this: after an edit (YaRN x2 made x8, a length
+        added) ``make eval`` scores the run again, and the tables leave the old scores out
+        (``sweep.report.runs``), rather than show factor-2 scores under factor 8."""
+        made_with = {k: v for k, v in to_dict(self).items() if k not in ("rows", "ruler_tasks")}
+        return hashlib.sha256(json.dumps(made_with, sort_keys=True).encode()).hexdigest()[:12]
+
+    def current(self, tags: dict[str, str]) -> bool:
+        """Whether a run's tags say its long-context scores are of this section: its
+        :meth:`recipe`, and every RULER task of ``ruler_tasks`` scored."""
+        scored = set(filter(None, tags.get(LONGCTX_RULER_TAG, "").split(",")))
+        return tags.get(LONGCTX_TAG) == self.recipe() and set(self.ruler_tasks) <= scored

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from experiments.numerics import NUMBERS_VERSION
 from experiments.strict import ConfigError, from_dict, identity_dict, to_dict
 from sweep.evalspec import EvalConfig, LongContextSpec
 from sweep.gridcheck import check_references, check_stage
-from sweep.gridfile import NAME, GridError, deep_merge, inherit, read_yaml
+from sweep.gridfile import MAX_SEEDS, NAME, GridError, deep_merge, inherit, read_yaml
 
 _ROW_ID = re.compile(r"^[a-z0-9_]+$")
 _ROW_PATH = re.compile(r"^rows\[(\d+)\](?:\.(.*))?$")
@@ -52,7 +52,6 @@ class Sections:
 #: Characters a label or title may not hold: Markdown reads ``<``, ``>`` as HTML, matplotlib
 #: reads ``$`` as the start of math (an unpaired one fails the figure after training).
 _MARKUP = "<>$"
-MAX_SEEDS = 1000  # a count beyond any study's, and beyond what the cell list holds in memory
 
 
 def check_shown_text(key: str, text: str) -> None:
@@ -176,6 +175,11 @@ class GridSpec:
             raise ConfigError("lr_ladder", f"must be distinct positive LRs in increasing order, got {ladder}")
 
 
+#: A grid file's top-level keys (:class:`GridSpec`'s fields), the required ones first: a file that
+#: holds none of them is not a grid (``sweep.gridfile.read_yaml``).
+GRID_KEYS = tuple(f.name for f in fields(GridSpec))
+
+
 @dataclass(frozen=True)
 class Cell:
     """One trainable unit: a row at a scale with one seed."""
@@ -226,18 +230,40 @@ class Grid:
             GridError: naming ``scales.<scale>.<key>`` when base + scale are invalid by
                 themselves, else the row and the key path, with the scale.
         """
-        merged = deep_merge(self.base, self.scales[scale], "", row=None, file=self.file)
+        merged = self.merged(scale, row)
         if row is None:
             try:
                 return from_dict(RunConfig, {**merged, "seed": seed})
             except ConfigError as err:
                 raise GridError(self.file, err.message, path=f"scales.{scale}.{err.path}") from None
-        for stage in self.lineage(row):  # a later stage builds on its parent rows' overrides
-            merged = deep_merge(merged, stage.overrides, "", row=stage.id, file=self.file)
         try:
             return from_dict(RunConfig, {**merged, "seed": seed})
         except ConfigError as err:
             raise GridError(self.file, f"{err.message} (at scale '{scale}')", row.id, err.path) from None
+
+    def merged(self, scale: str, row: Row | None) -> dict[str, Any]:
+        """The row's sections at ``scale`` as written (base, scale, then each stage's row), before
+        the config's checks and defaults (``row=None``: base + scale alone)."""
+        merged = deep_merge(self.base, self.scales[scale], "", row=None, file=self.file)
+        for stage in self.lineage(row) if row is not None else ():  # a stage builds on its parents'
+            merged = deep_merge(merged, stage.overrides, "", row=stage.id, file=self.file)
+        return merged
+
+    def log_every_notes(self, cells: list[Cell]) -> list[str]:
+        """One line per scale and budget whose cells ask to log the training loss every more steps
+        than they train: ``TrainConfig`` clamps ``log_every`` to ``max_steps`` (else no step would
+        log it), and this says so."""
+        clamped: dict[tuple[str, int, int], list[str]] = {}
+        for cell in cells:
+            asked = self.merged(cell.scale, cell.row).get("train", {}).get("log_every", TrainConfig.log_every)
+            if asked != cell.config.train.log_every:
+                ids = clamped.setdefault((cell.scale, asked, cell.config.train.max_steps), [])
+                ids += [] if cell.row.id in ids else [cell.row.id]
+        return [
+            f"note: {self.file}: train.log_every {asked} is more than max_steps {steps} (scale '{scale}', "
+            f"rows {', '.join(ids)}): the training loss is logged every {steps} steps instead"
+            for (scale, asked, steps), ids in clamped.items()
+        ]
 
     def row(self, row_id: str) -> Row:
         """The row named ``row_id`` (KeyError if none)."""
@@ -345,11 +371,9 @@ def load_grid(file: str | Path) -> Grid:
         GridError: with the file, row and key path of the first problem found.
     """
     file = Path(file)
-    raw = read_yaml(file)
-    if not isinstance(raw, dict):
-        raise GridError(file, f"must be a mapping, got {type(raw).__name__}", path="(top level)")
+    raw = read_yaml(file, GRID_KEYS)  # a mapping holding a grid's key
     if "inherit" in raw:
-        raw = inherit(file, raw)
+        raw = inherit(file, raw, GRID_KEYS)
     try:
         spec = from_dict(GridSpec, raw)
     except ConfigError as err:

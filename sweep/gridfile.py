@@ -1,9 +1,16 @@
 """Reading a grid file: strict YAML (duplicate keys rejected, ``2e-3`` a float), the file's own
 syntax (``inherit:``, relative values ``x2`` / ``x12/7``) and the one error type every grid problem
-raises, :class:`GridError`, whose message names the file, the row and the key path on one line."""
+raises, :class:`GridError`, whose message names the file, the row and the key path on one line.
+
+A path may name a file that is not a grid at all (a symlink to a password file, a typo'd
+``GRID=``): no message quotes such a file's text. YAML's own messages lose what they quote from
+the file (an alias, a tag: ``!secret`` on a line of its own is a tag), and a file whose top level
+holds none of a grid's keys is refused as "not a grid" before any of its keys or values is named.
+"""
 
 from __future__ import annotations
 
+import ast
 import copy
 import os
 import re
@@ -19,6 +26,7 @@ _RELATIVE = re.compile(r"^x(\d+(?:\.\d+)?|\d+/[1-9]\d*)$")
 #: an MLflow experiment or metric name and part of MLflow / Optuna filter strings, so nothing a
 #: path, a URL or a query would read as syntax.
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+MAX_SEEDS = 1000  # a count beyond any study's, and beyond what the cell list holds in memory
 
 
 class GridError(ValueError):
@@ -124,11 +132,46 @@ def _read_bounded(file: Path) -> bytes:
     return data
 
 
-def read_yaml(file: Path) -> Any:
-    """Parse a YAML file strictly: duplicate keys rejected, ``2e-3`` read as a float.
+_QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'" + r'|"(?:[^"\\]|\\.)*"')  # PyYAML's %r of a str
+
+
+def _unquoted(problem: str) -> str:
+    """PyYAML's ``problem`` without the file's text it quotes: a token's name (``'<scalar>'``)
+    and a single character stay (as ``U+0009`` when not printable); longer quoted text (an alias,
+    a tag, an anchor: a password's first line may read as one) is left out."""
+
+    def shown(match: re.Match) -> str:
+        quoted = match.group(0)
+        if quoted[1:-1].startswith("<") and quoted[1:-1].endswith(">"):
+            return quoted
+        try:
+            text = ast.literal_eval(quoted)
+        except (ValueError, SyntaxError):
+            return ""
+        if isinstance(text, str) and len(text) == 1:
+            return quoted if text.isprintable() and not text.isspace() else f"U+{ord(text):04X}"
+        return ""
+
+    out = _QUOTED.sub(shown, problem)
+    out = re.sub(r"\s+([),;:])", r"\1", re.sub(r"\(\s*\)", "", re.sub(r"  +", " ", out)))
+    return re.sub(r"[:,]\)", ")", out).strip()
+
+
+def _holds_a_key(node: yaml.Node, keys: tuple[str, ...]) -> bool:
+    """Whether ``node`` is a mapping with at least one of ``keys`` at its top level."""
+    return isinstance(node, yaml.MappingNode) and any(
+        isinstance(k, yaml.ScalarNode) and k.value in keys for k, _ in node.value
+    )
+
+
+def read_yaml(file: Path, keys: tuple[str, ...] | None = None) -> Any:
+    """Parse a YAML file strictly: duplicate keys rejected, ``2e-3`` read as a float. With
+    ``keys`` (a grid's top-level keys), a file whose top level is not a mapping holding one of
+    them is refused as not a grid before anything in it is checked, so that no message quotes it.
 
     Raises:
-        GridError: unreadable file, malformed YAML (with its line), or a duplicate key.
+        GridError: unreadable file, malformed YAML (with its line), a duplicate key, or not a
+            grid; no message quotes more than one character of the file unless it is a grid.
     """
     try:
         text = _read_bounded(file).decode("utf-8")
@@ -147,17 +190,23 @@ def read_yaml(file: Path) -> Any:
         node = loader.get_single_node()
         if node is None:
             raise GridError(file, "is empty")
+        if keys is not None and not _holds_a_key(node, keys):
+            shown = ", ".join(keys[:4])
+            raise GridError(file, f"is not a grid: its top level holds none of a grid's keys ({shown})")
         _reject_duplicate_keys(file, node, "", None)
         return loader.construct_document(node)
+    except GridError:  # a ValueError too: not one of YAML's
+        raise
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         line = f"line {mark.line + 1}: " if mark else ""
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise GridError(file, f"malformed YAML: {line}{problem}") from None
+        problem = getattr(err, "problem", None) or type(err).__name__
+        raise GridError(file, f"malformed YAML: {line}{_unquoted(problem)}") from None
     except RecursionError:  # PyYAML composes and constructs recursively
         raise GridError(file, "is nested too deeply (a grid needs a few levels)") from None
     except ValueError as err:  # a value YAML reads but Python cannot hold: an int of 5,000 digits
-        raise GridError(file, f"malformed YAML: {str(err).splitlines()[0].split('; ')[0]}") from None
+        first = str(err).splitlines()[0].split("; ")[0]
+        raise GridError(file, f"malformed YAML: {_unquoted(first)}") from None
     finally:
         loader.dispose()
 
@@ -198,7 +247,7 @@ def _scaled(current: Any, factor: Fraction, path: str, row: str | None, file: Pa
     return current * float(factor)
 
 
-def inherit(file: Path, raw: dict) -> dict:
+def inherit(file: Path, raw: dict, keys: tuple[str, ...] | None = None) -> dict:
     """``raw`` (the parsed ``file``) with the inherited grid's ``base`` and ``scales`` beneath its own
     (deep-merged); one level only.
 
@@ -211,7 +260,7 @@ def inherit(file: Path, raw: dict) -> dict:
     parent_file = file.parent / ref
     if not parent_file.is_file():
         raise GridError(file, f"inherited grid {parent_file} does not exist", path="inherit")
-    parent = read_yaml(parent_file)
+    parent = read_yaml(parent_file, keys)
     if not isinstance(parent, dict):
         raise GridError(parent_file, "must be a mapping", path="(top level)")
     if "inherit" in parent:

@@ -21,7 +21,7 @@ import yaml
 
 from experiments.config import to_dict
 from experiments.names import Kind, Status
-from sweep.fingerprints import on_current_bytes
+from sweep.fingerprints import CorpusHere, on_current_bytes
 from sweep.grid import Cell
 from sweep.sqlite_lock import creation_lock, sqlite_file
 from sweep.store_urls import TrackingError, check_reachable
@@ -186,7 +186,7 @@ class Tracker:
         from mlflow.entities import LifecycleStage
 
         self.uri, self.experiment, self.out = uri, experiment, out
-        self.corpus_fingerprints: dict[str, str] = {}  # recipe hash -> its bytes here (sweep.fingerprints)
+        self.corpus_fingerprints: dict[str, CorpusHere] = {}  # recipe hash -> its bytes here
         check_reachable(uri)
         try:
             with creation_lock(uri):  # MLflow creates or migrates the schema on first use

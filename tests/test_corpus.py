@@ -213,9 +213,9 @@ def test_a_full_disk_names_the_corpus_and_the_cause_and_leaves_nothing(
 
     encode = token_files._encode_docs
 
-    def onto_a_full_disk(check, docs, split, eos_id, dtype, fh, counts):  # type: ignore[no-untyped-def]
+    def onto_a_full_disk(check, docs, where, eos_id, dtype, fh, counts, ledger):  # type: ignore[no-untyped-def]
         with open("/dev/full", "wb", buffering=0) as full:  # every write: ENOSPC
-            return encode(check, docs, split, eos_id, dtype, full, counts)
+            return encode(check, docs, where, eos_id, dtype, full, counts, ledger)
 
     monkeypatch.setattr(token_files, "_encode_docs", onto_a_full_disk)
     with pytest.raises(OSError) as info:

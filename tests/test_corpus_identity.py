@@ -115,7 +115,7 @@ def _sweep(
 ) -> int:
     monkeypatch.setenv("GATED_ATTN_CACHE", str(cache))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    return main([command, "--grid", str(grid), "--results", str(results)])
+    return main([command, "--grid", str(grid), *(["--results", str(results)] if command != "data" else [])])
 
 
 def _finished(results: Path) -> list:

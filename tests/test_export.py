@@ -33,9 +33,9 @@ def _micro(cfg: ModelConfig) -> ModelConfig:
 
 
 def _rows() -> dict[str, ModelConfig]:
-    """Every row of Tables 1, 3 and 4 at ``tiny``, one per distinct model config."""
+    """Every row of Tables 1, 3 and 4 and of the G5 controls at ``tiny``, one per distinct model config."""
     found: dict[ModelConfig, str] = {}
-    for table in ("table1", "table3", "table4"):
+    for table in ("table1", "table3", "table4", "g5_controls"):
         grid = load_grid(ROOT / "grids" / f"{table}.yaml")
         for row in grid.rows:
             found.setdefault(_micro(grid.resolve("tiny", row, 0).model), f"{table}:{row.id}")
@@ -95,7 +95,7 @@ def test_the_tables_rows_map_to_the_classes_the_issue_names() -> None:
     by_row = {name.split(":")[1]: family(cfg) for name, cfg in ROWS.items()}
     assert {r for r, f in by_row.items() if f == QWEN3_MOE} == {"baseline", "kv8", "q48", "add_experts"}
     assert {r for r, f in by_row.items() if f == QWEN3_NEXT} == {"sdpa_elementwise", "sdpa_headwise"}
-    assert len(ROWS) == 20 and sum(f == GATED for f in by_row.values()) == 14
+    assert len(ROWS) == 24 and sum(f == GATED for f in by_row.values()) == 18  # 4 of them G5 controls
     assert [family(cfg) for cfg in EXTRA.values()] == [QWEN3, QWEN3_NEXT, GATED, GATED]
 
 

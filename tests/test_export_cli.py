@@ -188,3 +188,48 @@ def test_a_missing_export_extra_is_one_line_naming_the_install(
         "error: export needs no_such_package_for_export: pip install -e '.[export]' (make export installs it)"
     )
     assert not tmp_path.joinpath("micro-tiny").exists()
+
+
+@pytest.mark.parametrize("factor", ["inf", "-inf", "nan", "-1", "0", "0.5", "abc"])
+def test_a_yarn_factor_that_is_not_a_finite_number_of_at_least_1_is_one_line_and_exit_2(
+    micro: dict, tmp_path: Path, capsys, factor: str
+) -> None:
+    assert export(micro, tmp_path, "baseline", f"--yarn={factor}") == 2
+    got = repr(factor) if factor == "abc" else float(factor)
+    assert capsys.readouterr().err == f"error: YARN: the factor must be a finite number >= 1, got {got}\n"
+    assert not tmp_path.joinpath("micro-tiny").exists()
+
+
+def test_a_yarn_factor_past_what_max_position_embeddings_holds_is_one_line_and_exit_2(
+    micro: dict, tmp_path: Path, capsys
+) -> None:
+    assert export(micro, tmp_path, "baseline", "--yarn=1e300") == 2
+    assert capsys.readouterr().err == (
+        "error: YARN: 1e+300 x the training length 32 is more positions than max_position_embeddings "
+        "holds (9,223,372,036,854,775,807)\n"
+    )
+    assert not tmp_path.joinpath("micro-tiny").exists()
+
+
+@pytest.mark.parametrize("where", ["dest", "experiment folder"])
+def test_a_destination_that_is_a_file_is_one_line_and_exit_2(
+    micro: dict, tmp_path: Path, capsys, where: str
+) -> None:
+    file = tmp_path / "dest" if where == "dest" else tmp_path / "dest" / "micro-tiny"
+    file.parent.mkdir(exist_ok=True)
+    file.write_text("not a folder\n")
+    assert export(micro, tmp_path / "dest", "baseline") == 2
+    assert capsys.readouterr().err == f"error: DEST: {file} is not a folder\n"
+    assert file.read_text() == "not a folder\n"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a folder without write permission")
+def test_a_read_only_destination_is_one_line_and_exit_2(micro: dict, tmp_path: Path, capsys) -> None:
+    dest = tmp_path / "dest"
+    dest.mkdir(mode=0o555)
+    try:
+        assert export(micro, dest / "sub", "baseline") == 2
+    finally:
+        dest.chmod(0o755)
+    assert capsys.readouterr().err == f"error: DEST: {dest} is not writable (Permission denied)\n"
+    assert list(dest.iterdir()) == []

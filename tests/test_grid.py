@@ -248,8 +248,8 @@ BAD = {
     "missing_inherited_grid": (GOOD + "inherit: nowhere.yaml\n", "inherit: inherited grid", None),
     "bad_table_column": (
         GOOD + "columns: [ppl]\n",
-        "columns[0]: bad value 'ppl'; allowed: gate_score, m_act, f_attn, f_attn_late, loss_spikes, "
-        "logit_std_init, branch_scale_init",
+        "columns[0]: bad value 'ppl'; allowed: gate_score, gate_frac_below, m_act, f_attn, f_attn_late, "
+        "loss_spikes, logit_std_init, branch_scale_init",
         None,
     ),
     "complex_key": (
@@ -404,7 +404,7 @@ def test_too_many_seeds_on_the_command_line_is_one_line(
 GRIDS_YAML_CANNOT_READ = {  # (text, the one line's end): each was a traceback
     "nul": ("name: x\n\0\n", "malformed YAML: line 2: character U+0000 is not allowed"),
     "deep": ("x: " + "[" * 600 + "]" * 600 + "\n", "is nested too deeply (a grid needs a few levels)"),
-    "huge int": ("x: " + "9" * 5000 + "\n", "malformed YAML: Exceeds the limit (4300 digits) for integer"),
+    "huge int": ("name: " + "9" * 5000 + "\n", "malformed YAML: Exceeds the limit (4300 digits) for integer"),
 }
 
 

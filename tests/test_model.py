@@ -183,7 +183,7 @@ def test_impossible_shapes_are_rejected(kwargs: dict, path: str) -> None:
 
 def test_bad_gate_combinations_are_rejected() -> None:
     with pytest.raises(ConfigError, match="G5"):
-        GateConfig(position="dense", granularity="headwise")
+        GateConfig(position="dense", sharing="head_shared")
     with pytest.raises(ConfigError, match="SDPA output"):
         GateConfig(position="value", kind="rmsnorm")
     with pytest.raises(ConfigError, match="allowed: sdpa, value, key, query, dense"):

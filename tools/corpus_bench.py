@@ -13,7 +13,10 @@ Zipf-distributed) and trains a byte-level BPE on its first 20 MB, then, each in 
 4. a build killed with SIGKILL after ``--kill-after`` seconds, run again: its token files against
    the first build's.
 ``--file`` benches a JSON-lines file of your own (``{"text": ...}`` lines) instead of the made-up
-one. ``--against CHECKOUT`` adds, in every round, the build of another checkout of this project (an
+one; it is read through once first, and a file the bench cannot read (Parquet, gzip, empty, a
+line that is not a JSON object with a ``text`` string) is one line, exit status 2, before any
+child starts. A child that fails anyway (a full disk) is one line too, with its last, exit 1.
+``--against CHECKOUT`` adds, in every round, the build of another checkout of this project (an
 older commit) on the same file with the same BPE: its MB/s, this build's speed over it, and whether
 their token files are identical.
 Figures, not assertions: a slower or busier machine prints larger seconds. Run it alone (2 cores).
@@ -24,9 +27,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import random
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -90,6 +95,68 @@ def write_jsonl(path: Path, megabytes: int, seed: int = 0) -> int:
 
 
 ROOT = Path(__file__).resolve().parents[1]
+_MAGIC = {b"PAR1": "a Parquet file", b"\x1f\x8b": "gzip-compressed", b"PK\x03\x04": "a zip archive"}
+
+
+def jsonl_problem(path: Path) -> str | None:
+    """Why ``path`` is not a JSON-lines file the bench can read, in a few words, or None: every
+    line a JSON object with a ``text`` string (the bare loop reads each line with ``json.loads``),
+    at least one. Reads the file through once, a line at a time."""
+    with open(path, "rb") as fh:
+        head = fh.read(4)
+    for magic, what in _MAGIC.items():
+        if head.startswith(magic):
+            return f'is {what}; the bench reads JSON lines, {{"text": ...}} a line'
+    documents = 0
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for number, line in enumerate(fh, start=1):
+                if not line.strip():
+                    return f"line {number} is blank (the bench reads a JSON object a line)"
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    return f"line {number} is not JSON"
+                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                    return f'line {number} is not a JSON object with a "text" string'
+                documents += 1
+    except UnicodeDecodeError as err:
+        return f"is not UTF-8 text (a byte near offset {err.start:,} of a line)"
+    return None if documents else "holds no line: nothing to bench"
+
+
+def _folder(text: str) -> str:
+    """An argparse ``type``: a folder that exists and this user can write into."""
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: no such folder")
+    if not os.access(text, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text}: the folder is not writable")
+    return text
+
+
+def _jsonl(text: str) -> str:
+    """An argparse ``type``: a readable JSON-lines file the bench can read (:func:`jsonl_problem`)."""
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text}: no such file" + (" (a folder)" if path.is_dir() else ""))
+    try:
+        problem = jsonl_problem(path)
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"{text}: cannot read: {err.strerror}") from None
+    if problem:
+        raise argparse.ArgumentTypeError(f"{text}: {problem}")
+    return text
+
+
+def _seconds(text: str) -> float:
+    """An argparse ``type``: a finite number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds above 0, got {text!r}")
+    return value
 
 
 def child(script: str, args: list[str], kill_after: float | None = None, env: dict | None = None,
@@ -100,21 +167,28 @@ def child(script: str, args: list[str], kill_after: float | None = None, env: di
     cmd = [sys.executable, "-c", script, *args]
     env = {**(os.environ if env is None else env), "PYTHONPATH": str(root)}
     os.sync()  # the last child's written files go to disk now, not during this one's time
-    t0 = time.perf_counter()
-    child = subprocess.Popen(cmd, env=env, cwd=root)
-    killed = False
-    while True:  # reaped by wait4 alone, which also gives the child's peak memory
-        pid, status, usage = os.wait4(child.pid, os.WNOHANG)
-        if pid:
-            break
-        if kill_after is not None and time.perf_counter() - t0 > kill_after and not killed:
-            os.kill(child.pid, signal.SIGKILL)
-            killed = True
-        time.sleep(0.05)
-    child.returncode = os.waitstatus_to_exitcode(status)
-    if not killed and child.returncode != 0:
-        raise SystemExit(f"error: a child failed with exit status {child.returncode}")
-    return time.perf_counter() - t0, usage.ru_maxrss // 1024, killed
+    with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as stderr:
+        t0 = time.perf_counter()
+        child = subprocess.Popen(cmd, env=env, cwd=root, stderr=stderr)
+        killed = False
+        while True:  # reaped by wait4 alone, which also gives the child's peak memory
+            pid, status, usage = os.wait4(child.pid, os.WNOHANG)
+            if pid:
+                break
+            if kill_after is not None and time.perf_counter() - t0 > kill_after and not killed:
+                os.kill(child.pid, signal.SIGKILL)
+                killed = True
+            time.sleep(0.05)
+        seconds = time.perf_counter() - t0
+        child.returncode = os.waitstatus_to_exitcode(status)
+        stderr.seek(0)
+        said = stderr.read()
+    if not killed and child.returncode != 0:  # its traceback's last line: what failed
+        last = next((line for line in reversed(said.splitlines()) if line.strip()), "no message")
+        # SystemExit with a text: Python prints it, one line, and exits 1 (the input was checked before)
+        raise SystemExit(f"error: a child failed with exit status {child.returncode}: {last.strip()}")
+    sys.stderr.write(said)  # its warnings, after it
+    return seconds, usage.ru_maxrss // 1024, killed
 
 
 def build(data: Path, cache: Path, tokenizer: Path | None, kill_after: float | None = None,
@@ -151,25 +225,38 @@ def train_tokenizer(data: Path, target: Path, chars: int = 20_000_000) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mb", type=int, default=200, help="size of the JSON-lines file, MB")
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of bare loop and build")
+    """Exit status: 0, every comparison identical; 1, one was not or a child failed (one line);
+    2, a bad option (one line, before anything is written)."""
+    from sweep.cli_parser import OneLineParser, whole  # one line, exit 2, for any bad option
+
+    p = OneLineParser(prog="python -m tools.corpus_bench", description=__doc__.splitlines()[0])
+    p.add_argument("--mb", type=whole(1), default=200, help="size of the JSON-lines file, MB")
+    p.add_argument("--rounds", type=whole(1), default=2, help="interleaved rounds of bare loop and build")
     p.add_argument(
-        "--kill-after", type=float, default=None, help="seconds before the SIGKILL (default: half a build)"
+        "--kill-after", type=_seconds, default=None, help="seconds before the SIGKILL (default: half a build)"
     )
-    p.add_argument("--dir", default=None, help="work folder (default: a temporary one, removed)")
-    p.add_argument("--file", default=None, help='bench this JSON-lines file ({"text": ...} lines) instead')
+    p.add_argument(
+        "--dir", type=_folder, default=None, help="work folder (default: a temporary one, removed)"
+    )
+    p.add_argument(
+        "--file", type=_jsonl, default=None, help='bench this JSON-lines file ({"text": ...} lines)'
+    )
     p.add_argument("--against", default=None, help="another checkout of this project whose build to time too")
     args = p.parse_args(argv)
-    if args.dir is not None and not Path(args.dir).is_dir():
-        p.error(f"--dir {args.dir}: no such folder")
-    if args.file is not None and not Path(args.file).is_file():
-        p.error(f"--file {args.file}: no such file")
     against = Path(args.against).resolve() if args.against else None
     if against is not None and not (against / "experiments" / "corpus").is_dir():
         p.error(f"--against {args.against}: not a checkout of this project (no experiments/corpus)")
-    if args.mb < 1 or args.rounds < 1:
-        p.error(f"--mb and --rounds must be at least 1, got {args.mb} and {args.rounds}")
+    free = shutil.disk_usage(args.dir or tempfile.gettempdir()).free
+    if args.file is None and args.mb * 1_000_000 > free:
+        p.error(f"--mb {args.mb}: the work folder has {free // 1_000_000:,} MB free (--dir names another)")
+    try:
+        return _bench(args, against)
+    except OSError as err:  # the machine: a full disk, a folder gone
+        print(f"error: {err.filename + ': ' if err.filename else ''}{err.strerror or err}", file=sys.stderr)
+        return 1
+
+
+def _bench(args: argparse.Namespace, against: Path | None) -> int:
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         work = Path(tmp)
         data, tok = work / "web.jsonl", work / "tokenizer.json"

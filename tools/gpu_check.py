@@ -192,9 +192,11 @@ def plan_line(stage: int, budget: float) -> tuple[str, bool]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from sweep.cli_parser import OneLineParser, whole  # a bad value: one line, exit 2
+
+    p = OneLineParser(prog="python -m tools.gpu_check", description=__doc__.splitlines()[0])
     p.add_argument("--stage", type=int, choices=(1, 2, 3), default=1, help="which checks (module docstring)")
-    p.add_argument("--budget", type=float, default=None, help="seconds the stage may take (default 360)")
+    p.add_argument("--budget", type=whole(1), default=None, help="seconds the stage may take (default 360)")
     p.add_argument(
         "--dry-run", action="store_true", help="print the stage's plan in one line; fail over budget"
     )
@@ -205,9 +207,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", default="", help="comma-separated check names to leave out")
     p.add_argument("--cell", default=None, help=argparse.SUPPRESS)  # one packed cell's arguments
     args = p.parse_args(argv)
-    if args.budget is not None and not 0 < args.budget < float("inf"):
-        print(f"error: --budget must be a positive number of seconds, got {args.budget}", file=sys.stderr)
-        return 2
     if args.dry_run:
         line, fits = plan_line(args.stage, args.budget or DEFAULT_BUDGET)
         print(line)

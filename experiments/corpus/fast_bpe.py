@@ -135,9 +135,15 @@ class AddedTokens:
 
     def __init__(self, added: list[dict[str, Any]], nfc: bool) -> None:
         self.nfc = nfc
-        self.ids = {a["content"]: a["id"] for a in added}
+
+        # A normalised token is matched as the normaliser makes its content (``tokenizers`` does
+        # so): under NFC, U+212B (Angstrom sign) is matched as U+00C5.
+        def seen_as(a: dict[str, Any]) -> str:
+            return unicodedata.normalize("NFC", a["content"]) if nfc and a.get("normalized") else a["content"]
+
+        self.ids = {seen_as(a): a["id"] for a in added}
         raw = [a["content"] for a in added if not a.get("normalized")]
-        normal = [a["content"] for a in added if a.get("normalized")]
+        normal = [seen_as(a) for a in added if a.get("normalized")]
         self.raw, self.normal = _union(raw), _union(normal)
         self.any = _union(raw + normal)
         self.few = sorted(self.ids) if len(self.ids) <= 4 else None  # `in` is faster than a regex

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from experiments.corpus.documents import Doc, SeenFiles, documents
+from experiments.corpus.read_files import ReadFiles
 from experiments.data_config import SourceSpec
 
 
@@ -19,6 +20,7 @@ def batches(
     ahead: int = 2,
     seen: SeenFiles | None = None,
     max_bytes: int | None = None,
+    record: ReadFiles | None = None,
 ) -> Iterator[list[Doc]]:
     """The source's :func:`documents` in lists of about ``max_chars`` characters, read and parsed
     by a thread up to ``ahead`` lists in front of the caller: the next list is read while the
@@ -42,7 +44,7 @@ def batches(
     def read() -> None:
         try:
             batch, size = [], 0
-            for doc in documents(spec, downloads, seen, max_bytes):
+            for doc in documents(spec, downloads, seen, max_bytes, record):
                 batch.append(doc)
                 size += len(doc.text)
                 if size >= max_chars:

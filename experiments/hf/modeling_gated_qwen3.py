@@ -39,6 +39,8 @@ def gate_heads_and_dim(config: GatedQwen3Config) -> tuple[int, int]:
         return config.num_attention_heads, config.head_dim
     if position in ("value", "key"):
         return config.num_key_value_heads, config.head_dim
+    if config.gate["granularity"] == "headwise":  # G5 headwise: n_heads groups of o_proj's channels
+        return config.num_attention_heads, config.hidden_size // config.num_attention_heads
     return 1, config.hidden_size
 
 
@@ -110,8 +112,9 @@ class GatedQwen3Attention(qwen3_moe.Qwen3MoeAttention):
         )  # fmt: skip
         y = self._gated("sdpa", y, x)  # G1: (B, T, H, D)
         out = self.o_proj(y.reshape(*x.shape[:-1], -1).contiguous())
-        if self.position == "dense":  # G5 after o_proj
-            out = self.gate(out.unsqueeze(-2), x).squeeze(-2)
+        if self.position == "dense":  # G5 after o_proj: (B, T, d) as (B, T, H, d / H)
+            heads, dim = gate_heads_and_dim(self.config)
+            out = self.gate(out.view(*out.shape[:-1], heads, dim), x).reshape(out.shape)
         return out, weights
 
 

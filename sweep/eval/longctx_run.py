@@ -2,7 +2,9 @@
 :func:`experiments.longctx.evaluate_long_context` and, opt-in, RULER's (``sweep.eval.ruler``),
 each with the model's own RoPE and with YaRN, logged to the run as ``longctx/<task>/<len>[.yarn]``.
 ``make sweep`` runs it after training (as the benchmarks), ``make eval`` on demand; a run is
-scored once (tag ``longctx=scored``). Source: Table 5 of Qiu et al. (2025), Section 4.4."""
+scored once for each recipe of the grid's section (tag ``longctx=<recipe>``,
+:meth:`sweep.evalspec.LongContextSpec.recipe`): another YaRN factor or another length scores it
+again. Source: Table 5 of Qiu et al. (2025), Section 4.4."""
 
 from __future__ import annotations
 
@@ -19,12 +21,10 @@ from experiments.corpus import Corpus, build_corpus
 from experiments.longctx import evaluate_long_context
 from experiments.model import GatedLM, YarnScaling
 from experiments.names import Status
-from sweep.evalspec import LongContextSpec
+from sweep.evalspec import LONGCTX_RULER_TAG, LONGCTX_TAG, LongContextSpec
 from sweep.fingerprints import expect_local_corpora
 from sweep.grid import Cell, Grid
 from sweep.store import Tracker
-
-SCORED_TAG = "longctx"  # value "scored" once every score of the run is logged
 
 RULER_MIN_LEN = 256  # lm-eval's RULER generators need at least this many tokens
 
@@ -131,8 +131,11 @@ def score_missing_long_context(
     out: Callable[[str], None] = print,
 ) -> tuple[int, int]:
     """Score every finished run of ``cells`` whose row the grid's ``longctx:`` names and which has
-    no scores yet; log them to the run at its last step. A run whose evaluation fails gets the tag
-    ``longctx_error`` (one line here) and the others go on; the next call tries it again.
+    no scores of the section as it is now (:meth:`~sweep.evalspec.LongContextSpec.current`: none
+    yet, or of another YaRN factor, other lengths, fewer RULER tasks); log them to the run at its
+    last step, over any older ones. A run whose evaluation fails gets the tag ``longctx_error``
+    (one line here) and the others go on; the next call tries it again. Without the ``ruler``
+    extra, RULER's tasks are left out (one line), and a run scored without them counts as scored.
 
     Returns:
         (scored, failed) counts.
@@ -149,7 +152,7 @@ def score_missing_long_context(
     for cell in cells if spec is not None else ():
         run = tracker.current_result(cell)
         if spec.scores(cell.row.id) and run is not None and run.data.tags.get("status") == Status.FINISHED:
-            if run.data.tags.get(SCORED_TAG) != "scored":
+            if not spec.current(run.data.tags):
                 todo.setdefault(run.info.run_id, (cell, run))
     failed = 0
     for i, (cell, run) in enumerate(todo.values(), start=1):
@@ -168,6 +171,7 @@ def score_missing_long_context(
         run_id = run.info.run_id
         tracker.log_metrics(run_id, metrics, step=cell.config.train.max_steps)
         tracker.log_json(run_id, record, "longctx.json")
-        tracker.client.set_tag(run_id, SCORED_TAG, "scored")
+        tracker.client.set_tag(run_id, LONGCTX_RULER_TAG, ",".join(spec.ruler_tasks))
+        tracker.client.set_tag(run_id, LONGCTX_TAG, spec.recipe())  # last: the scores above are all logged
         out(f"{prefix}: {len(metrics)} scores in {time.perf_counter() - started:.0f} s")
     return len(todo) - failed, failed

@@ -8,10 +8,11 @@ from experiments.hf.layout import CAUSAL_LM, GATED, family
 from sweep.export.runs import ExportJob
 
 
-def model_card(job: ExportJob, folder_name: str) -> str:
+def model_card(job: ExportJob, folder_name: str, tokenizer: str = "—") -> str:
     """Markdown with a YAML header (``library_name: transformers``): grid, row and the paper's
-    row, scale, training tokens, run id, commit, numbers version, the transformers class and how
-    to load it, then Avg PPL per domain and every benchmark score of the run."""
+    row, scale, training tokens, run id, commit, numbers version, the transformers class, the
+    tokenizer (``tokenizer``: where it came from, its special tokens) and how to load it, then Avg
+    PPL per domain and every benchmark score of the run."""
     run, cfg = job.run, job.config
     tags, metrics = run.data.tags, run.data.metrics
     name = family(cfg.model)
@@ -29,6 +30,7 @@ def model_card(job: ExportJob, folder_name: str) -> str:
         ("commit", tags.get("git_commit", "—")),
         ("numbers version", tags.get("numbers", "—")),
         ("transformers class", CAUSAL_LM[name] + (" (custom code in this folder)" if remote else "")),
+        ("tokenizer", tokenizer),
     ]
     lines = [
         "---",

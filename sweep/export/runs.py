@@ -78,6 +78,27 @@ def export_jobs(
     return list({job.run.info.run_id: job for job in jobs}.values())
 
 
+def check_destinations(jobs: list[ExportJob]) -> None:
+    """Each job's folder can be written: the nearest existing folder above it is a folder this
+    process may create in (tried with a temporary folder, removed at once), and the folder itself,
+    if it exists, is a folder (``FORCE=1`` replaces folders, not files).
+
+    Raises:
+        ExportError: one line naming the path (``DEST: <path> is not a folder`` or ``... is not
+            writable``).
+    """
+    for job in jobs:
+        if job.dest.exists() and not job.dest.is_dir():
+            raise ExportError(f"DEST: {job.dest} is not a folder (FORCE=1 replaces exported folders only)")
+        above = next(p for p in (job.dest.parent, *job.dest.parent.parents) if p.exists() or p.is_symlink())
+        if not above.is_dir():
+            raise ExportError(f"DEST: {above} is not a folder")
+        try:  # what the kernel says, not os.access: root on a read-only mount is refused too
+            tempfile.TemporaryDirectory(dir=above, prefix=".export-check-").cleanup()
+        except OSError as err:
+            raise ExportError(f"DEST: {above} is not writable ({err.strerror})") from None
+
+
 def _row_runs(grid: Grid, scale: str, row: Row, tracker: Tracker) -> list[tuple[Any, RunConfig]]:
     """The row's current results at every seed the store holds a result of; finished ones only."""
     done = tracker.cell_runs(Status.DONE)

@@ -139,8 +139,13 @@ def redraw_if_input(results_dir: Path, written: Path) -> None:
         print(f"headline figure: {path}")
 
 
-def main() -> int:
-    """``make headline``: redraw the figure from the tables under ``results/``."""
+def main(argv: list[str] | None = None) -> int:
+    """``make headline``: redraw the figure from the tables under ``results/``; it takes no option
+    (``--help`` says so, anything else is one line, exit 2)."""
+    from sweep.cli_parser import OneLineParser
+
+    parser = OneLineParser(prog="python -m sweep.report.headline", description=__doc__.splitlines()[0])
+    parser.parse_args(argv)
     path = write_headline(Path("results"))
     if path is None:
         print(f"error: results/{PANELS[0][1]} is missing: make sweep SEEDS=3 writes it", file=sys.stderr)

@@ -8,7 +8,7 @@ touch these numbers) on random tokens, whose pre-normed embeddings are what laye
 
 from __future__ import annotations
 
-import argparse
+import os
 from pathlib import Path
 
 import numpy as np
@@ -93,11 +93,14 @@ def markdown(table: pd.DataFrame, command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results", type=Path, default=Path("results"))
+    from sweep.cli_parser import OneLineParser  # a bad option: one line, exit 2
+
+    parser = OneLineParser(prog="python -m sweep.report.init_table", description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=Path("results"), help="an existing, writable folder")
     args = parser.parse_args(argv)
+    if not args.results.is_dir() or not os.access(args.results, os.W_OK | os.X_OK):  # before a minute's work
+        parser.error(f"--results {args.results}: not a folder this user can write into")
     out = args.results / "init_distribution.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
     text = markdown(init_rows(), "make init-table")
     tmp = out.with_suffix(".md.tmp")
     tmp.write_text(text)

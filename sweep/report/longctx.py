@@ -96,6 +96,8 @@ def build_longctx_table(
     row's, paired by seed: positive means this row's score fell less, for PPL that it rose more);
     ``ratio`` (length over the row's training context) and ``paper`` (:func:`paper_figure`)."""
     lines = []
+    asked = [_asked(grid, scale, r.row, r.task, r.length) for r in scores.itertuples()]
+    scores = scores[np.array(asked, dtype=bool)]  # a mask even when empty (a list [] picks columns)
     by = {k: g.set_index("seed")["value"] for k, g in scores.groupby(["row", "task", "length", "yarn"])}
     for (rid, task, length, yarn), values in by.items():
         row = next(r for r in grid.rows if r.id == rid)
@@ -124,6 +126,19 @@ def build_longctx_table(
         )
         lines.append(line)
     return pd.DataFrame(lines, columns=TABLE_COLUMNS)  # the columns even with no scores yet
+
+
+def _asked(grid: Grid, scale: str, rid: str, task: str, length: int) -> bool:
+    """Whether the grid's ``longctx:`` section asks for ``task`` at ``length`` tokens for row
+    ``rid``: a length it no longer lists, or a RULER task it dropped, may linger in a run scored
+    again after the edit (its newer recipe tag then covers the old score too)."""
+    spec = grid.longctx
+    if spec is None:
+        return True
+    if task not in N.LONGCTX_TASKS and not task.startswith("ppl_") and task not in spec.ruler_tasks:
+        return False
+    base = grid.cells(scale, seeds=[grid.seeds[0]], rows=[rid])[0].config.train.seq_len  # the first stage's
+    return length in {m * base for m in spec.lengths}
 
 
 def _cell(line: pd.Series, digits: int) -> str:
@@ -190,11 +205,22 @@ def longctx_markdown(grid: Grid, scale: str, table: pd.DataFrame, command: str, 
         f"Scale `{scale}`, grid `{grid.file}`, {seeds} seed(s) per row at most. "
         f"Written by `{command}` from the MLflow store. {provenance}Columns: evaluation length in tokens.\n",
     ]
+    spec = grid.longctx
+    recipe = (
+        f"YaRN factor {spec.yarn_factor:g}, lengths {', '.join(map(str, spec.lengths))} times the scale's "
+        "context"
+        if spec is not None
+        else "no `longctx:` section"
+    )
     if table.empty:
         out.append(
             f"No run of this grid at scale `{scale}` has long-context scores yet: "
             f"`make sweep GRID={grid.file}` trains and scores them, `make eval` scores finished runs.\n"
         )
+    out.append(
+        f"Scores count only when made with the grid's `longctx:` section as it is ({recipe}); "
+        "after an edit, `make eval` scores the runs again and older scores are left out.\n"
+    )
     for task in tasks_of(table.rename(columns={"mean": "value"})):
         out.append(f"## {task}\n\n{TASK_NOTES.get(task, _other_note(task))}.\n")
         out.append(markdown_table(task_block(table, task)) + "\n")
@@ -213,9 +239,10 @@ def longctx_markdown(grid: Grid, scale: str, table: pd.DataFrame, command: str, 
         out.append(markdown_table(paper) + "\n")
     out.append(
         "Mean ± sample std over seeds; with YaRN, the change YaRN made (paired by seed) in brackets. "
-        "YaRN: Peng et al. 2023, applied at evaluation with factor and original context from the grid's "
-        "`longctx` section (no training with it). The paper's numbers are RULER accuracy of 1.7B models "
-        "trained on 3.5T tokens, for direction, not magnitude. — means not evaluated.\n"
+        f"YaRN: Peng et al. 2023, applied at evaluation with factor {spec.yarn_factor if spec else 0:g} "
+        "(`longctx.yarn_factor`) over each row's training context (no training with it). The paper's "
+        "numbers are RULER accuracy of 1.7B models trained on 3.5T tokens, for direction, not magnitude. "
+        "— means not evaluated.\n"
     )
     return "\n".join(out)
 

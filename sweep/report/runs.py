@@ -11,6 +11,7 @@ import pandas as pd
 from experiments import names as N
 from experiments.config import GateConfig, to_dict
 from experiments.names import Status, current_key
+from sweep.evalspec import LONGCTX_TAG
 from sweep.fingerprints import expect_local_corpora, on_current_bytes
 from sweep.grid import Grid, Row
 from sweep.store import Tracker, experiment_name, flatten, started_from
@@ -66,15 +67,18 @@ def current_runs(grid: Grid, scale: str, runs: list, seeds: list[int] | None = N
 
 
 def _stale_scores(grid: Grid, scale: str) -> Callable[[Any], set[str]]:
-    """The metric keys of a run that are benchmark scores made with another recipe than the
-    grid's (``sweep.evalspec.EvalConfig.recipe``): left out of the tables until ``make eval``
-    scores the run again."""
+    """The metric keys of a run that are benchmark or long-context scores made with another recipe
+    than the grid's (``sweep.evalspec.EvalConfig.recipe``, ``LongContextSpec.recipe``): left out
+    of the tables until ``make eval`` scores the run again."""
     spec = grid.eval.for_scale(scale)
     recipes = {task: spec.recipe(task) for task in spec.tasks}
+    longctx = grid.longctx.recipe() if grid.longctx is not None else None  # LongContextSpec.recipe
 
     def stale(run: Any) -> set[str]:
         tags = run.data.tags
         old = [N.bench_prefix(t) for t, made in recipes.items() if tags.get(N.bench_recipe_tag(t)) != made]
+        if longctx is not None and tags.get(LONGCTX_TAG) != longctx:  # another YaRN factor, other lengths
+            old.append(N.LONGCTX_PREFIX)
         return {k for k in run.data.metrics if k.startswith(tuple(old))} if old else set()
 
     return stale

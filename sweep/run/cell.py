@@ -20,6 +20,7 @@ from experiments.checkpointing import (
     save_at_step_start,
     step_checkpoint_name,
 )
+from experiments.checksums import file_sha256
 from experiments.stability import Diverged
 from experiments.train import Training
 from sweep.grid import Cell
@@ -170,6 +171,9 @@ def train_tracked(
         tracker.log_json(run_id, corpus.provenance(), "corpus.json")
         tracker.client.set_tag(run_id, N.CORPUS_TAG, corpus.manifest["recipe_hash"])
         tracker.client.set_tag(run_id, N.CORPUS_FINGERPRINT_TAG, corpus.fingerprint)
+        if tokenizer := corpus.manifest["tokenizer"]["file"]:  # what export ships; a synthetic task has none
+            tracker.log_files(run_id, [corpus.root / tokenizer])  # first: a tagged run has the file
+            tracker.client.set_tag(run_id, N.TOKENIZER_SHA256_TAG, file_sha256(corpus.root / tokenizer))
         tracker.client.set_tag(run_id, "probe_sha256", run.probe_record["sha256"])
         tracker.client.set_tag(run_id, N.METRIC_STEPS_TAG, N.METRIC_STEPS_UPDATES)
         tracker.client.set_tag(run_id, N.PRECISION_TAG, str(run.trainer.precision))  # auto, resolved

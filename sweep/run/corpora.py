@@ -105,5 +105,21 @@ def build_corpora(
         out(f"corpus {corpus.root}: vocabulary {corpus.vocab_size}")
         for domain in corpus.domains:
             split = ", ".join(f"{s} {tokens[s][domain]:,}" for s in ("train", "val", "test"))
-            out(f"  {domain}: {split} tokens")
+            out(f"  {domain}: {split} tokens{held_out_line(corpus.manifest, domain)}")
     return 0
+
+
+def held_out_line(manifest: dict, domain: str) -> str:
+    """``; also in train: val 0, test 0 documents; duplicates dropped: N`` for ``domain`` of a
+    corpus of documents (``experiments.corpus.repeats``), empty for a synthetic task."""
+    shared = manifest.get("shared_with_train", {}).get(domain)
+    if shared is None:
+        return ""
+    domain_of = {entry["name"]: entry["domain"] for entry in manifest.get("sources", [])}
+    dropped = sum(
+        sum(lost.values())
+        for label, lost in manifest.get("repeats", {}).get("dropped", {}).items()
+        if domain_of.get(label) == domain
+    )
+    in_train = f"also in train: val {shared['val']}, test {shared['test']} documents"
+    return f"; {in_train}; duplicates dropped: {dropped:,}"

@@ -41,7 +41,6 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from sweep.run import slurm_jobs
-from sweep.run.placement import NODES_ENV
 from sweep.signals import child_preexec, die_with_parent, wait_forwarding
 
 if TYPE_CHECKING:  # lightning loads with it; the CLI's parser imports this module
@@ -212,6 +211,8 @@ class SubmititLauncher:
         state), then say how each ended. A signal to the driver cancels them (each worker saves
         its cell)."""
         carried = {**{k: os.environ[k] for k in CARRIED_ENV if k in os.environ}, **env}
+        from sweep.run.placement import NODES_ENV  # loads torch: not at the top, the CLI parser imports us
+
         carried[NODES_ENV] = str(self.settings.nodes)
         job = WorkerJob(command, os.getcwd(), carried)
         self.jobs = [self.executor.submit(job) for _ in range(count)]

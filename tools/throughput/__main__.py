@@ -4,12 +4,12 @@ variants interleaved, printed as a median with its spread (min-max over rounds).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 
 import torch
 
+from sweep.cli_parser import OneLineParser, whole  # a bad value: one line, exit 2
 from sweep.grid import load_grid
 from sweep.gridfile import GridError
 from sweep.run.quiet import CELL_THREADS
@@ -31,18 +31,18 @@ DEFAULT_ROWS = ("baseline", "sdpa_elementwise", "sdpa_headwise")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="python -m tools.throughput", description=__doc__.splitlines()[0])
     p.add_argument("--grid", default="grids/table1.yaml")
     p.add_argument("--scale", default="tiny")
     p.add_argument(
         "--rows", default=None, help=f"comma-separated row ids (default: {','.join(DEFAULT_ROWS)})"
     )
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--steps", type=int, default=10, help="training steps per timed block")
+    p.add_argument("--rounds", type=whole(1), default=7)
+    p.add_argument("--steps", type=whole(1), default=10, help="training steps per timed block")
     p.add_argument("--no-twins", action="store_true", help="skip the dense twin of each MoE row")
     p.add_argument("--no-harness", action="store_true", help="skip the harness and the breakdown")
     p.add_argument("--no-compile", action="store_true", help="skip the compiled against eager timing")
-    p.add_argument("--threads", type=int, default=CELL_THREADS, help="torch threads (default: a cell's)")
+    p.add_argument("--threads", type=whole(1), default=CELL_THREADS, help="torch threads (default: a cell's)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     try:
