@@ -86,7 +86,7 @@ Train and report (python -m sweep.cli TARGET, but results and headline)
   tables          rewrite results/<table>.* and its figures from the store, no training
   budget          each row's Δ at 25, 50 and 100 % of training: results/<table>_budget.{md,csv}
   eval            benchmark finished runs that lack scores, then the tables
-  params          parameters per row, and each row's planned peak memory a GPU (SCALE=paper)
+  params          parameters per row; each row's peak memory a GPU, planned and measured (SCALE=paper)
   data            build (or check) GRID's corpora at SCALE; DOWNLOAD=1 fetches hub sources first
   tune            Optuna search of each row's max LR (TRIALS)
   stability       every row at every rung of the LR ladder (LADDER), never pruned
@@ -109,7 +109,7 @@ Checks and benchmarks
   golden          rewrite tests/golden/micro.json (bump NUMBERS_VERSION first)
   throughput      tokens/s of each row, the harness against a bare loop (old names: bench, bench-moe)
   corpus-bench    a JSON-lines build (MB, 200; JSONL, AGAINST) beside a bare tiktoken loop: MB/s, ratio, memory
-  gpu-check       on a GPU: kernel parity, host syncs, small's tokens/s, MFU and memory, packing
+  gpu-check       on a GPU, 6 minutes a STAGE: kernels, host syncs, small's tokens/s, MFU, memory
   ui-check        the UI in headless Chromium, with a screenshot
   servers-setup   install PostgreSQL's server and psycopg
   servers-check   the many-machines recipe on a throwaway PostgreSQL and MLflow server
@@ -227,11 +227,15 @@ throughput: $(STAMP)
 # the names of one release ago
 bench bench-moe: throughput
 
-# on a lent GPU, in minutes: kernel parity, routing, host syncs, small's tokens/s, MFU and memory,
-# cells packed on one GPU; one report, results/gpu_check.md (tools/gpu_check.py). A machine without
-# network: `make gpu-check GPU_PY=python3` (torch, Lightning, tokenizers, PyYAML, pytest). DRY_RUN=1: the CPU.
+# on a lent GPU, within BUDGET seconds (360) a stage, most value first (tools/gpu_check.py): stage 1
+# kernel parity and speed (grouped_mm padded and not), host syncs, small compiled and eager (tokens/s,
+# MFU, memory); STAGE=2 the GPU tests and 2-3 cells packed on one GPU; STAGE=3 a longer G1 cell. Each
+# figure into results/gpu_check[_stageN].md as it is measured. A machine without network: GPU_PY=python3
+# (torch, Lightning, tokenizers, PyYAML, pytest). DRY_RUN=1: the stage's plan in one line, failing over
+# BUDGET (CI); REHEARSE=1: the stage's checks on the CPU at tiny.
 gpu-check: $(if $(GPU_PY),,$(STAMP))
-	$(or $(GPU_PY),$(PY)) -m tools.gpu_check $(if $(DRY_RUN),--dry-run)
+	@$(or $(GPU_PY),$(PY)) -m tools.gpu_check $(if $(DRY_RUN),--dry-run) $(if $(REHEARSE),--rehearse) \
+		$(if $(STAGE),--stage '$(STAGE)') $(if $(BUDGET),--budget '$(BUDGET)')
 
 # the UI as a user sees it: headless Chromium (installed from Debian if missing) on the URL
 # `make ui` prints must show every cell run and Avg PPL; screenshot results/figures/ui_runs.png.

@@ -25,6 +25,12 @@ __all__ = [
 ]  # fmt: skip
 
 
+def embedding_rows(token_ids: int) -> int:
+    """The most embedding rows a model of a tokenizer of ``token_ids`` ids may have: the ids
+    rounded up to a multiple of 128 (as Qwen pads its vocabulary); 0 for 0 (not known yet)."""
+    return -(-token_ids // 128) * 128
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """One trainable cell: model, training, data and seed. Its hash is the cell's ``run_key``."""
@@ -46,6 +52,13 @@ class RunConfig:
             raise ConfigError(
                 "model.vocab_size",
                 f"must hold the data's {self.data.token_vocab()} token ids, got {self.model.vocab_size}",
+            )
+        most = embedding_rows(self.data.token_vocab()) if self.data.synthetic is None else 0  # a BPE's
+        if self.model.vocab_size > most > 0:
+            raise ConfigError(
+                "model.vocab_size",
+                f"must be at most the data's {self.data.token_vocab()} token ids rounded up to a multiple of "
+                f"128 ({most}), got {self.model.vocab_size}: no token would ever train the other rows",
             )
         task = self.data.synthetic
         if task is not None and self.train.seq_len + 1 > task.seq_tokens:

@@ -18,7 +18,13 @@ relies on:
 **Alignment on CUDA.** Older CUDA builds of ``grouped_mm`` asserted that every group's rows start
 at a multiple of 16 bytes (8 bf16 rows), and MoE codebases (torchtitan until 2026) pad each
 expert's group for it. Groups are padded to :data:`CUDA_GROUP_ALIGN` rows there, empty experts
-included, at a cost of at most ``E * 8`` zero rows; on the CPU nothing is padded.
+included, at a cost of at most ``E * 8`` zero rows; on the CPU nothing is padded. Whether the
+padding still pays on sm_90 with torch 2.10 and later (whose 2-D x 3-D forward checks no group
+alignment) is what ``make gpu-check`` times, padded against unpadded.
+
+**Which kernel.** ``torch.nn.functional.grouped_mm`` from torch 2.10 (the project's floor), else the
+private ``torch._grouped_mm`` it wraps (torch 2.8 and 2.9, a machine's own Python), else the loop;
+the run's log and ``moe_experts`` tag name the path either way.
 
 **Under torch.compile** ``grouped_mm``'s meta function accepts bf16 only, so a float32 compiled
 graph runs it as the opaque custom op ``gated_attn::grouped_mm`` (its eager kernel, its own
@@ -32,6 +38,11 @@ import torch.nn.functional as F
 
 #: Rows each expert's group is padded to on CUDA: 16 bytes of bf16 (see the module docstring).
 CUDA_GROUP_ALIGN = 8
+#: The grouped kernel: ``torch.nn.functional.grouped_mm`` (public from torch 2.10), else the private
+#: ``torch._grouped_mm`` it wraps (torch 2.8 and 2.9); None where neither exists (the loop runs).
+GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+#: How the experts' path names the kernel in a run's log and tag.
+GROUPED_MM_NAME = "grouped_mm" if hasattr(F, "grouped_mm") else "grouped_mm (torch._grouped_mm)"
 
 
 def expert_counts(assigned: torch.Tensor, n_experts: int) -> torch.Tensor:
@@ -48,7 +59,7 @@ def group_align(device: torch.device) -> int:
 
 @torch.library.custom_op("gated_attn::grouped_mm", mutates_args=())
 def _opaque_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    return F.grouped_mm(x, w, offs=offs)
+    return GROUPED_MM(x, w, offs=offs)
 
 
 @_opaque_grouped_mm.register_fake
@@ -67,7 +78,7 @@ def _opaque_backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 @torch.library.custom_op("gated_attn::grouped_mm_weight_grad", mutates_args=())
 def _opaque_weight_grad(x: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     # The 2-D x 2-D form: one (K, N) product per group of rows, what grouped_mm's own backward does.
-    return F.grouped_mm(x.t(), grad, offs=offs)
+    return GROUPED_MM(x.t(), grad, offs=offs)
 
 
 @_opaque_weight_grad.register_fake
@@ -83,13 +94,13 @@ _opaque_grouped_mm.register_autograd(_opaque_backward, setup_context=_save)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``F.grouped_mm(x (M, K), w (G, K, N), offs (G,) int32) -> (M, N)``, as an opaque op inside a
-    float32 (or float16) compiled graph (module docstring), and on float32 meta tensors (the
-    memory plan, ``experiments.memory``: the kernel's meta function takes bf16 only); rows past
-    ``offs[-1]`` are undefined."""
+    """``F.grouped_mm(x (M, K), w (G, K, N), offs (G,) int32) -> (M, N)`` (:data:`GROUPED_MM`), as
+    an opaque op inside a float32 (or float16) compiled graph (module docstring), and on float32
+    meta tensors (the memory plan, ``experiments.memory``: the kernel's meta function takes bf16
+    only); rows past ``offs[-1]`` are undefined."""
     if (torch.compiler.is_compiling() or x.is_meta) and x.dtype != torch.bfloat16:
         return _opaque_grouped_mm(x, w, offs)
-    return F.grouped_mm(x, w, offs=offs)
+    return GROUPED_MM(x, w, offs=offs)
 
 
 def _padded_positions(

@@ -7,13 +7,13 @@ import time
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from experiments import names as N
 from experiments.config import RunConfig, TrainConfig
 from experiments.devices import autocast_dtype, rng_state, scoring_precision, set_rng_state
 from experiments.init_stats import init_statistics
+from experiments.loss import next_token_loss
 from experiments.meta_init import record_build
 from experiments.model import GatedLM, count_active_parameters, count_parameters
 from experiments.moe import (
@@ -75,9 +75,11 @@ class LMModule(pl.LightningModule):
     and scores run the eager model.
 
     Under data parallelism (DDP ranks under torchrun, ``sweep.run.ranks``) the training figures are the global
-    batch's (losses averaged over the ranks, so every rank takes the same divergence decision;
-    tokens/s of all ranks; with ``train.grad_accum`` micro-batches a step, the means over them,
-    logged once a step), every rank validates and probes the same held-out windows (no
+    batch's (losses averaged over the ranks where they are read, at the checks: one all-reduce of
+    the figures queued since the last, no barrier and no host read in between; so every rank
+    takes the same divergence decision, and ``train/loss`` is logged at the checks' steps, where
+    Lightning writes it; tokens/s of all ranks; with ``train.grad_accum`` micro-batches a step,
+    the means over them), every rank validates and probes the same held-out windows (no
     collective: a MoE forward all-reduces in training only), and rank 0 alone logs.
 
     Under ``train.strategy: fsdp`` the model is built on the meta device and :meth:`configure_model`
@@ -130,6 +132,8 @@ class LMModule(pl.LightningModule):
         self._step_clock = 0.0
         self._window: tuple[float, int] | None = None  # (clock, steps) since the last check
         self._pending: dict[str, torch.Tensor] = {}  # the optimiser step's figures so far
+        #: (step, this rank's figures) not yet averaged over the ranks (:meth:`_reduce_queued`).
+        self._queued: list[tuple[int, dict[str, torch.Tensor]]] = []
         self._resumed_rng: dict | None = None
 
     def configure_model(self) -> None:
@@ -160,8 +164,9 @@ class LMModule(pl.LightningModule):
 
     def loss(self, batch: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         """Next-token cross-entropy (nats) of (B, T + 1) token windows: mean, or ``sum`` over tokens;
-        compiled with ``train.compile``."""
-        return (self._compiled or next_token_loss)(self.model, batch, reduction)
+        compiled with ``train.compile``, ``train.loss_chunk`` tokens at a time when set
+        (:func:`experiments.loss.next_token_loss`)."""
+        return (self._compiled or next_token_loss)(self.model, batch, reduction, self.cfg.train.loss_chunk)
 
     def auxiliary(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[RouterStats]] | None:
         """The MoE router losses of the last forward (:func:`~experiments.moe.auxiliary_loss`:
@@ -183,26 +188,30 @@ class LMModule(pl.LightningModule):
             else {N.TRAIN_LOSS: loss, N.TRAIN_LB_LOSS: aux[1], N.TRAIN_Z_LOSS: aux[2]}
         )
         step = self._step_means(figures, batch_idx)
-        if step is not None:  # the step's last micro-batch: the global batch's figures, on every rank
+        if step is not None:  # the step's last micro-batch: this rank's means over its micro-batches
             self._step_lr = self.lr_schedulers().get_last_lr()[0]  # Lightning steps it before batch end
-            self.checks.add_loss(self.global_step, step[N.TRAIN_LOSS])
-            if self._check_due():  # every rank reads the same values: all stop together
+            self._queued.append((self.global_step, step))
+            due = self.check_due()  # where Lightning logs: the global batch's figures, every rank
+            means = self._reduce_queued() if due or self.trainer.world_size == 1 else None
+            if due:  # every rank reads the same values: all stop together
                 self._check()
-            for name, mean in step.items():
+            for name, mean in (means or {}).items():
                 self.log(name, mean, on_step=True, logger=True)
             if aux is not None:
                 self.log(N.MOE_LOAD_CV, mean_load_cv(aux[3]), on_step=True, logger=True)
         return loss if aux is None else loss + aux[0]
 
-    def _check_due(self) -> bool:
+    def check_due(self) -> bool:
         """Whether this optimiser step reads the queued figures: the last of every
         ``train.log_every`` steps (where Lightning logs), and the last step."""
         step = self.global_step + 1
         return step % self.cfg.train.log_every == 0 or step >= self.cfg.train.max_steps
 
     def _check(self, strict: bool = True) -> None:
-        """Read and check the queued figures (:class:`~experiments.stability.DeferredChecks`), log
-        the spikes among them at their steps, and update :attr:`loss_ema`."""
+        """Average the queued figures over the ranks, read and check them
+        (:class:`~experiments.stability.DeferredChecks`), log the spikes among them at their steps,
+        and update :attr:`loss_ema`."""
+        self._reduce_queued()
         seen = len(self.spikes.spikes)
         try:
             for _, value in self.checks.check(strict):
@@ -222,26 +231,41 @@ class LMModule(pl.LightningModule):
 
     def flush_checks(self) -> None:
         """Feed every figure still queued to the spike detector, without raising (a fit that
-        ended by an exception: its spikes so far are data)."""
+        ended by an exception: its spikes so far are data). Figures of several ranks not yet
+        averaged are dropped: averaging is a collective, which ranks that stopped apart never join."""
+        self._queued = []
         self._check(strict=False)
 
     def _step_means(self, figures: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor] | None:
-        """Add a micro-batch's 0-d ``figures`` (averaged over the ranks) to its optimiser step's;
-        at the step's last micro-batch, the step's means (the global batch's), else None. With
-        one micro-batch a step, the figures themselves."""
+        """Add a micro-batch's 0-d ``figures`` to its optimiser step's; at the step's last
+        micro-batch, this rank's means over the step's micro-batches, else None. With one
+        micro-batch a step, the figures themselves. No collective: :meth:`_reduce_queued`."""
         accum = self.trainer.accumulate_grad_batches
         for name, v in figures.items():
-            self._pending[name] = self._pending.get(name, 0.0) + self.across_ranks(v.detach()) / accum
+            self._pending[name] = self._pending.get(name, 0.0) + v.detach() / accum
         if (batch_idx + 1) % accum:
             return None
         step, self._pending = self._pending, {}
         return step
 
-    def across_ranks(self, value: torch.Tensor) -> torch.Tensor:
-        """The mean of a 0-d float tensor over the data-parallel ranks (an all-reduce under DDP;
-        ``value`` itself in one process). Each rank holds an equal share of the global batch, so
-        the mean of the ranks' batch means is the global batch's mean."""
-        return self.trainer.strategy.reduce(value, reduce_op="mean")
+    def _reduce_queued(self) -> dict[str, torch.Tensor] | None:
+        """The queued steps' figures as the global batch's (each rank holds an equal share of it,
+        so the mean of the ranks' means), each step's loss queued for the checks; returns the
+        last step's, None when none was queued. Several ranks: one all-reduce of all of them,
+        stacked, with no barrier (Lightning's ``strategy.reduce`` runs one before each
+        all-reduce, which under NCCL waits for the GPU), every ``train.log_every`` steps."""
+        if not self._queued:
+            return None
+        queued, self._queued = self._queued, []
+        world = self.trainer.world_size
+        if world > 1:
+            stacked = torch.stack([v for _, figures in queued for v in figures.values()])
+            torch.distributed.all_reduce(stacked)
+            means = iter((stacked / world).unbind())
+            queued = [(step, {name: next(means) for name in figures}) for step, figures in queued]
+        for step, figures in queued:
+            self.checks.add_loss(step, figures[N.TRAIN_LOSS])
+        return queued[-1][1]
 
     def on_fit_start(self) -> None:
         """Log the gate's statistics at initialisation (``experiments.init_stats``) at step 0, on
@@ -313,7 +337,7 @@ class LMModule(pl.LightningModule):
         if skips_on_device:  # (fp16 is never auto's choice)
             inner.found_inf = (~torch.isfinite(grad_norm)).float()
         self.checks.add_grad_norm(self.global_step, grad_norm)
-        if not skips_on_device or self._check_due():  # the step would write non-finite weights
+        if not skips_on_device or self.check_due():  # the step would write non-finite weights
             self._check()
         self.log(N.TRAIN_GRAD_NORM, grad_norm, on_step=True, logger=True)
 
@@ -388,14 +412,6 @@ class LMModule(pl.LightningModule):
         optimizer = adamw(self.model, t)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, t) / t.max_lr)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-def next_token_loss(model: nn.Module, batch: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Next-token cross-entropy (nats, fp32) of ``model`` on (B, T + 1) token windows: the mean, or
-    with ``reduction="sum"`` the sum over the B * T predicted tokens. One function, so
-    ``torch.compile`` fuses the logits' cast into the loss."""
-    logits = model(batch[:, :-1])
-    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction=reduction)
 
 
 def adamw(model: nn.Module, t: TrainConfig) -> torch.optim.AdamW:

@@ -331,9 +331,11 @@ class GatedLM(nn.Module):
             nn.init.normal_(module.w_gate_up, mean=0.0, std=std)
             nn.init.normal_(module.w_down, mean=0.0, std=std)
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, head: bool = True) -> torch.Tensor:
         """(B, T) token ids -> (B, T, V) next-token logits. With a :class:`KVCache`, the tokens
         continue the sequences it holds (generation feeds the prompt, then one token at a time).
+        ``head=False``: the (B, T, d) final norm's output, for a loss that applies ``lm_head``
+        itself (``experiments.loss``, a chunk of tokens at a time).
 
         Raises:
             ValueError: the sequence (cached positions included) exceeds :attr:`max_seq_len`.
@@ -351,7 +353,7 @@ class GatedLM(nn.Module):
                 self.hidden_states.append(x.detach())
         if cache is not None:
             cache.length += tokens.shape[1]
-        return self.lm_head(self.norm(x))
+        return self.lm_head(self.norm(x)) if head else self.norm(x)
 
 
 def count_parameters(model: nn.Module) -> int:

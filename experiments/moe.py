@@ -32,7 +32,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from experiments.config import MoEConfig
-from experiments.experts import combine, expert_counts, group_align, grouped_swiglu, looped_swiglu
+from experiments.experts import (
+    GROUPED_MM,
+    GROUPED_MM_NAME,
+    combine,
+    expert_counts,
+    group_align,
+    grouped_swiglu,
+    looped_swiglu,
+)
 
 
 @dataclass
@@ -175,11 +183,17 @@ class MoEFFN(nn.Module):
         # As carry_balance left it: a recomputation of this forward (activation checkpointing)
         # must add to the same earlier micro-batches, not to itself.
         before = self._carried if self.carry and self.training else None
-        self.stats = balancing_losses(
+        stats = balancing_losses(
             logits, probs, experts, self.global_batch and self.training, before, counts=counts
         )
-        if self.training:
-            self._step_so_far = self.stats
+        # A recomputation (activation checkpointing, inside the backward pass) computes the same
+        # statistics again, and must: the checkpoint wants every tensor the forward saved. Kept
+        # on the module they would hold the recomputed block's graph, its activations with it,
+        # through the backward and past it; the forward's own statistics are the ones the loss used.
+        if not recomputing():
+            self.stats = stats
+            if self.training:
+                self._step_so_far = stats
         # (N*k, d), expert 0's tokens first. Repeat, then permute: the backward of a permutation
         # adds nothing twice, so the gradient is bitwise reproducible (flat[token_of] is not on CPU:
         # its backward accumulates a token's k copies in whatever order the threads run).
@@ -208,6 +222,12 @@ class MoEFFN(nn.Module):
         return looped_swiglu(grouped, counts, scale, w_gate_up, w_down)
 
 
+def recomputing() -> bool:
+    """Whether this forward runs inside a backward pass: an activation checkpoint's recomputation
+    (torch runs it eagerly, outside any compiled graph; a compiled forward is never inside one)."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype matmuls on ``x``'s device run in: autocast's, else ``x``'s own."""
     device = x.device.type
@@ -233,8 +253,8 @@ def grouped_mm_problem(device: torch.device, dtype: torch.dtype, d_model: int, e
 
 
 def _check_grouped_mm(device: torch.device, dtype: torch.dtype, d: int, f: int) -> str:
-    if not hasattr(F, "grouped_mm"):
-        return f"torch {torch.__version__} has no torch.nn.functional.grouped_mm"
+    if GROUPED_MM is None:
+        return f"torch {torch.__version__} has neither torch.nn.functional.grouped_mm nor torch._grouped_mm"
     gen = torch.Generator().manual_seed(0)
     counts = torch.tensor([3, 0, 13, 1], device=device)
     assigned = torch.repeat_interleave(torch.arange(4, device=device), counts)
@@ -269,7 +289,7 @@ def choose_experts_path(moe: MoEFFN, device: torch.device, dtype: torch.dtype) -
     d, f = moe.w_down.shape[-1], moe.w_down.shape[-2]
     problem = grouped_mm_problem(device, dtype, d, f) if moe.use_grouped_mm else "turned off (use_grouped_mm)"
     moe.use_grouped_mm = not problem
-    moe.experts_path = "grouped_mm" if not problem else f"looped: {problem}"
+    moe.experts_path = GROUPED_MM_NAME if not problem else f"looped: {problem}"
     if not problem and device.type == "cuda":
         moe.experts_path += _cuda_kernel_note(dtype)
     return moe.experts_path

@@ -8,6 +8,12 @@ scales, through Lightning's ``ModelParallelStrategy``.
   final norm, LM head): a rank holds its 1/world share of every parameter, gradient and AdamW
   state, and the whole parameters of one block (and the next, prefetched) at a time. A MoE
   layer's router is a unit of its own, in fp32 (below).
+- **Even shards.** FSDP2 splits a parameter's dim 0 over the ranks and pads it to a multiple of
+  them: Table 1's "Add 4 experts" row has 132 experts on 128 ranks, so each rank would hold room
+  for 2 experts, 1.9x the expert state and gather buffers the ranks need. A parameter whose dim 0
+  does not split evenly is split on its first dim that does (:func:`even_shard`), as FSDP2's
+  ``shard_placement_fn`` allows; padding remains only where no dim divides (:func:`shard_numel`
+  counts it for the memory plan).
 - **Initialisation.** Sharded on the meta device, then materialised: each rank writes its shards
   of the weights a one-process build draws from the same seed (:mod:`experiments.meta_init`),
   and builds the RoPE tables (buffers, never sharded) in fp32 itself.
@@ -38,6 +44,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from experiments.meta_init import InitPlan
 from experiments.model import GatedLM
@@ -70,6 +77,38 @@ def checkpoint_blocks(model: GatedLM) -> None:
         checkpoint(block)
 
 
+def even_shard(param: nn.Parameter, world: int) -> Shard:
+    """The dim FSDP2 splits ``param`` on over ``world`` ranks: dim 0 when it splits evenly, else
+    the first dim that does, else dim 0 (padded)."""
+    return Shard(next((d for d, size in enumerate(param.shape) if size % world == 0), 0))
+
+
+def shard_numel(shape: tuple[int, ...], world: int) -> int:
+    """Numbers each of ``world`` ranks holds of a parameter of ``shape`` (:func:`even_shard`'s
+    dim, padded to a multiple of ``world`` where none splits evenly)."""
+    if not shape:
+        return 1
+    dim = next((d for d, size in enumerate(shape) if size % world == 0), 0)
+    return math.prod(shape) // shape[dim] * -(-shape[dim] // world)
+
+
+def apply_fsdp(model: GatedLM, mesh: Any, precision: str, compile_blocks: bool = False) -> None:
+    """Every block one FSDP2 unit (a MoE router its own, in fp32), then the root; even shards
+    (:func:`even_shard`). The model stays on its device (meta): :func:`shard_model` materialises it."""
+    policy, world = mixed_precision(precision), mesh.size()
+
+    def placement(param: nn.Parameter) -> Shard:
+        return even_shard(param, world)
+
+    for block in model.blocks:
+        if compile_blocks:
+            block.compile()
+        if isinstance(block.ffn, MoEFFN) and policy.param_dtype is not None:
+            fully_shard(block.ffn.router, mesh=mesh, mp_policy=FP32, shard_placement_fn=placement)
+        fully_shard(block, mesh=mesh, mp_policy=policy, shard_placement_fn=placement)
+    fully_shard(model, mesh=mesh, mp_policy=policy, shard_placement_fn=placement)
+
+
 def shard_model(
     model: GatedLM,
     mesh: Any,
@@ -85,14 +124,7 @@ def shard_model(
 
     Activation checkpointing, if wanted, is applied before (:func:`checkpoint_blocks`).
     """
-    policy = mixed_precision(precision)
-    for block in model.blocks:
-        if compile_blocks:
-            block.compile()
-        if isinstance(block.ffn, MoEFFN) and policy.param_dtype is not None:
-            fully_shard(block.ffn.router, mesh=mesh, mp_policy=FP32)
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    apply_fsdp(model, mesh, precision, compile_blocks)
     model.to_empty(device=device)
     plan.replay(model, rng_state)
     model.set_rope()  # the config's RoPE tables, fp32, on this device

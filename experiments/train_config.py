@@ -89,6 +89,10 @@ class TrainConfig:
     activation_checkpointing: bool = False
     """Keep only each block's input for the backward pass and recompute its activations there:
     about a third more compute for a fraction of the activation memory (``make memory``)."""
+    loss_chunk: int = 0
+    """Tokens the LM head and the loss take at a time (``experiments.loss``; 0: all of a
+    micro-batch's at once). Chunks never hold the whole (tokens, vocabulary) logits in fp32, for
+    one more LM-head matmul in the backward pass; the loss is the same within float rounding."""
     gpu_memory_gib: float = 0
     """The memory of the GPUs a row is meant for (GiB; 0: not checked). A row whose estimated
     peak a GPU exceeds it is refused before anything trains (``make memory``, docs/scales.md)."""
@@ -97,7 +101,7 @@ class TrainConfig:
     #: grid names the same cells on a laptop and on a cluster (the global batch is what counts).
     PLACEMENT: ClassVar[tuple[str, ...]] = (
         "devices", "num_nodes", "strategy", "grad_accum", "micro_batch", "compile", "grad_sync",
-        "activation_checkpointing", "gpu_memory_gib",
+        "activation_checkpointing", "gpu_memory_gib", "loss_chunk",
     )  # fmt: skip
 
     def _derive_grad_accum(self) -> None:
@@ -143,6 +147,7 @@ class TrainConfig:
             "weight_decay",
             "gpu_memory_gib",
             "micro_batch",
+            "loss_chunk",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(name, f"must be 0 or more, got {getattr(self, name)}")

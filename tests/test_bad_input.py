@@ -387,8 +387,8 @@ def test_corpus_bench_refuses_a_bad_option_in_one_line(
         ),
         (
             "tools.gpu_check",
-            ["--dry-run", "--steps", "0"],
-            "python -m tools.gpu_check: argument --steps: must",
+            ["--dry-run", "--budget", "0"],
+            "python -m tools.gpu_check: argument --budget: must",
         ),
         (
             "sweep.report.init_table",

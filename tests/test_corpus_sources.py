@@ -183,7 +183,7 @@ def test_a_hub_source_is_read_from_the_cache_offline(tmp_path: Path, monkeypatch
     assert sum(entry["n_docs"].values()) < 80
 
 
-def _grid(tmp_path: Path, sources: list, model_vocab: int = 512, data_extra: str = "") -> Path:
+def _grid(tmp_path: Path, sources: list, model_vocab: int = 384, data_extra: str = "") -> Path:
     grid = tmp_path / "own.yaml"
     grid.write_text(f"""\
 name: own
@@ -240,7 +240,7 @@ def test_bad_sources_are_one_line_and_exit_2(
     good = [json.dumps({"text": f"document {i} " * 20}).encode() for i in range(40)]
     folder = tmp_path / "data"
     spec = {"files": str(folder / "bad.jsonl"), "domain": "web"}
-    model_vocab, extra = 512, ""
+    model_vocab, extra = 384, ""
     if case == "no match":
         spec["files"] = str(folder / "none-*.jsonl")
         want = f"files: '{folder}/none-*.jsonl' matches no file"

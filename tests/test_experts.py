@@ -107,6 +107,34 @@ def test_the_path_taken_is_recorded_with_its_reason() -> None:
     assert path == "looped: turned off (use_grouped_mm)"
 
 
+def test_without_the_public_kernel_the_private_one_runs_and_the_path_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch 2.8 and 2.9 have ``torch._grouped_mm`` only: it runs the experts, equal to the loop,
+    and the path names it; a torch with neither loops, saying why."""
+    from experiments import experts
+    from experiments import moe as moe_module
+
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip(f"torch {torch.__version__} has no torch._grouped_mm")
+    monkeypatch.setattr(experts, "GROUPED_MM", torch._grouped_mm)
+    monkeypatch.setattr(moe_module, "GROUPED_MM", torch._grouped_mm)
+    monkeypatch.setattr(moe_module, "GROUPED_MM_NAME", "grouped_mm (torch._grouped_mm)")
+    monkeypatch.setattr(moe_module, "_PATH_CHECKS", {})
+    layer = MoEFFN(d_model=16, n_experts=4, top_k=2, expert_dim=8)
+    assert choose_experts_path(layer, torch.device("cpu"), torch.float32) == "grouped_mm (torch._grouped_mm)"
+    inputs = random_groups(4)
+    for got, want in zip(_forward_backward("grouped", inputs), _forward_backward("loop", inputs)):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(moe_module, "GROUPED_MM", None)
+    monkeypatch.setattr(moe_module, "_PATH_CHECKS", {})
+    path = choose_experts_path(
+        MoEFFN(d_model=16, n_experts=4, top_k=2, expert_dim=8), torch.device("cpu"), torch.float32
+    )
+    neither = "has neither torch.nn.functional.grouped_mm nor torch._grouped_mm"
+    assert path == f"looped: torch {torch.__version__} {neither}"
+
+
 def test_a_model_first_run_without_gradients_takes_the_grouped_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """Scoring a loaded checkpoint runs under ``no_grad``: the kernel's check (a backward) must
     not fail there and send the experts to the loop (a bench bpb 1e-8 off the committed one)."""

@@ -48,7 +48,7 @@ GRID = """\
 name: own
 title: "Own"
 base:
-  model: {{vocab_size: 512, d_model: 32, n_layers: 2, n_heads: 4, n_kv_heads: 2, head_dim: 8,
+  model: {{vocab_size: 384, d_model: 32, n_layers: 2, n_heads: 4, n_kv_heads: 2, head_dim: 8,
           ffn_dim: 64, max_seq_len: 32}}
   train: {{max_steps: 4, batch_size: 4, seq_len: 32, warmup_steps: 1, val_every: 4, val_tokens: 256}}
   data: {{vocab_size: 300, val_fraction: 0.2, test_fraction: 0.2,

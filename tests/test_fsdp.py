@@ -90,6 +90,30 @@ def _counting(original: Any, count: list[int]) -> Any:
     return counting
 
 
+def _train_placed(cfg: RunConfig, checkpoints: Path, final: Path) -> dict:
+    """:func:`train`, and the placement of the first block's expert and router weights on this rank."""
+    recorder = LossRecorder()
+    run = Training(cfg, cache_root=ROOT / ".cache", callbacks=[recorder], checkpoints=checkpoints)
+    run.fit()
+    run.save_weights(final)
+    ffn = run.module.model.blocks[0].ffn
+    placed = {n: str(p.placements) for n, p in (("w_gate_up", ffn.w_gate_up), ("router", ffn.router.weight))}
+    return {"losses": recorder.losses, "placed": placed, "local": tuple(ffn.w_gate_up.to_local().shape)}
+
+
+def test_experts_that_do_not_split_over_the_ranks_are_split_on_another_dim(tmp_path: Path) -> None:
+    """3 experts on 2 ranks (Table 1's 132 on 128): FSDP2 would pad dim 0 to 4 and give each rank
+    room for 2; the expert weights split their model dim instead, evenly, and train as one process."""
+    moe = dataclasses.replace(KINDS["moe"].moe, n_experts=3)
+    one_cfg = RunConfig(model=dataclasses.replace(KINDS["moe"], moe=moe), train=TRAIN, data=DATA)
+    one = train(one_cfg, tmp_path / "one", tmp_path / "one.ckpt")
+    two = launch(_train_placed, 2, sharded(one_cfg), tmp_path / "two", tmp_path / "two.ckpt")
+    assert two["placed"] == {"w_gate_up": "(Shard(dim=1),)", "router": "(Shard(dim=1),)"}
+    assert two["local"] == (3, 16, 32)  # (E, d / 2, 2f) of (3, 32, 32)
+    assert two["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert_close(weights(tmp_path / "two.ckpt"), weights(tmp_path / "one.ckpt"))
+
+
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_two_sharded_gloo_ranks_train_resume_and_gather_as_one_process(kind: str, tmp_path: Path) -> None:
     one_cfg = RunConfig(model=KINDS[kind], train=TRAIN, data=DATA)

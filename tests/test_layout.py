@@ -72,6 +72,7 @@ LAYOUT: tuple = (
                 "data.py, lit.py",
                 "the LightningDataModule; the LightningModule (AdamW, warmup + cosine, PPL per domain)",
             ),
+            ("loss.py", "the next-token loss, whole or a chunk of tokens at a time (train.loss_chunk)"),
             ("train.py", "the training recipe: a RunConfig in, a trained and probed model out"),
             ("checkpointing.py", "crash-safe step checkpoints, saved at a step's start"),
             (

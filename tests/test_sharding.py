@@ -206,7 +206,7 @@ def test_a_paper_row_that_cannot_fit_is_refused_before_anything_trains(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and not results.exists()
     assert err.startswith(
-        f"error: {grid}: row 'baseline': train.gpu_memory_gib: needs 113.7 GiB a GPU under fsdp"
+        f"error: {grid}: row 'baseline': train.gpu_memory_gib: needs 94.0 GiB a GPU under fsdp"
     )
     assert "over 90% of 80 GiB" in err and "train.activation_checkpointing: true" in err
 

@@ -67,3 +67,81 @@ def test_the_counter_sees_each_kind_of_sync() -> None:
         "aten.index(boolean mask)": 1,
         "aten._to_copy(host <-> device)": 1,
     }
+
+
+#: Installed in every process of a sweep through PYTHONPATH, from outside the project: in each
+#: rank (torchrun's RANK), torch.distributed's collectives and every Python-level host read of a
+#: tensor are counted per training step (Lightning's on_train_batch_start hook marks a step's
+#: start), and the counts are written to $COUNT_DIR/rank<N>.json as they change.
+COUNTING_SITECUSTOMIZE = """
+import os
+if os.environ.get("COUNT_DIR") and "RANK" in os.environ:
+    import collections, json
+    import torch, torch.distributed as dist
+    import lightning.pytorch.trainer.call as call
+    step, counts = [-1], collections.defaultdict(collections.Counter)
+    out = os.path.join(os.environ["COUNT_DIR"], "rank" + os.environ["RANK"] + ".json")
+
+    def wrap(owner, name, label):
+        original = getattr(owner, name)
+        def counted(*args, **kwargs):
+            counts[step[0]][label] += 1
+            return original(*args, **kwargs)
+        setattr(owner, name, counted)
+
+    for name in ("barrier", "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
+                 "reduce_scatter_tensor", "broadcast_object_list", "all_gather_object"):
+        wrap(dist, name, name)
+    for name in ("item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__"):
+        wrap(torch.Tensor, name, "host read")
+    hooks = call._call_callback_hooks
+
+    def marked(trainer, hook_name, *args, **kwargs):
+        if hook_name == "on_train_batch_start":
+            step[0] = trainer.global_step
+            with open(out, "w") as f:
+                json.dump({"step": step[0], "counts": {str(s): dict(c) for s, c in counts.items()}}, f)
+        return hooks(trainer, hook_name, *args, **kwargs)
+
+    call._call_callback_hooks = marked
+"""
+
+
+@pytest.mark.slow
+def test_a_two_rank_cell_neither_waits_nor_reads_between_checks(tmp_path: Path) -> None:
+    """A dense and a MoE micro cell on two gloo ranks (DDP), trained through the CLI with
+    ``torch.distributed`` and the tensors' host reads wrapped from outside the project: between
+    checks a step calls no barrier, reads nothing on the host, and all-reduces only the MoE's
+    global-batch counts and probability sums (2 a layer); each check reads once."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.support import ROOT
+
+    site, counts = tmp_path / "site", tmp_path / "counts"
+    site.mkdir(), counts.mkdir()
+    (site / "sitecustomize.py").write_text(COUNTING_SITECUSTOMIZE)
+    train = f"max_steps: {STEPS}, log_every: {LOG_EVERY}, val_every: {STEPS}, checkpoint_every: 0"
+    text = MICRO.replace("max_steps: 8,", "").replace("val_every: 4,", "")
+    text = text.replace("max_lr: 2e-3}", f"max_lr: 2e-3, {train}, devices: 2, strategy: ddp}}")
+    grid = write_grid(tmp_path, text)
+    env = {**os.environ, "PYTHONPATH": f"{site}:{ROOT}", "COUNT_DIR": str(counts),
+           "GATED_ATTN_CACHE": str(ROOT / ".cache")}  # fmt: skip
+    env.pop("MLFLOW_TRACKING_URI", None)
+    for row, all_reduces in (("baseline", 0), ("moe", 2 * 2)):
+        command = [sys.executable, "-m", "sweep.cli", "sweep", "--grid", str(grid), "--rows", row,
+                   "--results", str(tmp_path / row)]  # fmt: skip
+        done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        for rank in (0, 1):
+            seen = json.loads((counts / f"rank{rank}.json").read_text())
+            assert seen["step"] == STEPS - 1  # written at the last step's start: every step before it
+            steps = {s: seen["counts"].get(str(s), {}) for s in range(STEPS - 1)}
+            steady = {s: c for s, c in steps.items() if s > 0 and (s + 1) % LOG_EVERY}
+            assert all(c.get("barrier", 0) == 0 for c in steady.values()), (row, rank, steady)
+            assert all(c.get("host read", 0) == 0 for c in steady.values()), (row, rank, steady)
+            assert all(c.get("all_reduce", 0) == all_reduces for c in steady.values()), (row, rank, steady)
+            checks = [steps[s] for s in range(LOG_EVERY - 1, STEPS - 1, LOG_EVERY)]
+            assert all(c.get("host read", 0) >= 1 and c.get("barrier", 0) == 0 for c in checks), checks

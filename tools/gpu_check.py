@@ -1,30 +1,32 @@
-"""``make gpu-check``: what a GPU machine does with this project, measured in a few minutes.
+"""``make gpu-check``: what a GPU machine does with this project, measured within a lease.
 
-Run it at once whenever a GPU is lent (the project's sessions get 15 minutes of one). It prints one
-line per check and writes them, with a table of figures, to one report (``--report``, default
-``results/gpu_check.md``), whose figures go into docs/performance.md:
+A lent H100 comes for 15 minutes in all and 10 minutes a command, so the checks run in stages of
+at most ``--budget`` seconds (360 by default), most value first, by a plan of what each costs on
+one H100 (``tools/gpu_plan.py``, justified in docs/performance.md):
 
-1. the GPU tests (``pytest -m gpu``: the expert kernels, probes and a bf16 step against the CPU);
-2. the expert kernels at ``small``'s shape: ``grouped_mm`` (groups padded as on CUDA) against the
-   per-expert loop, forward and backward, bf16 and fp32, on unaligned counts; and their speed;
-3. routing: how many tokens a bf16 router would send elsewhere, and that the layer routes in fp32;
-4. the cell's own path at a micro scale (Lightning, clipping, logging, the deferred checks) in
-   bf16-mixed, counting host syncs per step between checks (0 expected);
-5. ``small`` (Table 1's baseline and G1, compiled as the grid says, and the baseline eager) for
-   ``--steps`` steps on real text that needs no network (Python's standard library, BPE'd here):
-   tokens/s between the logged windows (the first, with compiling, left out), MFU and
-   ``max_memory_allocated``;
-6. packing: 2 and 3 ``small`` baseline cells at once on the one GPU (CELLS_PER_GPU), in
-   processes of their own: tokens/s summed over them and each one's peak memory.
+- stage 1: the expert kernels at ``small``'s shape (``grouped_mm`` with and without the 8-row
+  padding against the per-expert loop, forward and backward, bf16 and fp32: parity and
+  milliseconds); routing in fp32; host syncs a step of a micro MoE through the cell's path in
+  bf16-mixed (0 expected); ``small``'s baseline compiled for about 100 steps (tokens/s, MFU,
+  allocated and reserved peak), then the same eager;
+- stage 2 (``--stage 2``, ``STAGE=2``): the GPU tests (``pytest -m gpu``); 2, then 3 baseline
+  cells packed on the GPU, each in its own process, meeting at a file barrier after their
+  compile and warm-up so their measured windows overlap: tokens/s of each and in all, peak memory;
+- stage 3: ``small``'s G1 row compiled for 200 steps.
 
-MFU counts 6 FLOPs per active parameter per token plus attention's ``12 * L * H * D * T``
-(forward and backward, causal attention counted in full, as PaLM does) against the GPU's dense
-bf16 peak (``GPU_PEAK_TFLOPS`` overrides the table). It needs torch, Lightning, HF ``tokenizers``,
-PyYAML and pytest, not MLflow, Optuna or lm-eval (a GPU image without network has the first
-ones). The report is rewritten after every check, so a run stopped at its time limit keeps what
-it found; ``--skip`` leaves checks out. ``--dry-run`` runs every check but the GPU tests on the CPU
-at ``tiny`` with a few steps, CUDA hidden, CPU autocast for the bf16 paths, so the script cannot
-rot between GPU sessions (``tests/test_gpu_check.py``).
+Each line and each figure goes to the report (``--report``, default ``results/gpu_check.md``, one
+file a stage) the moment it is measured, so a run killed at its time limit keeps what it found.
+A check that does not fit the budget left is skipped with one line; a cell stops at the budget.
+
+It needs torch, Lightning, HF ``tokenizers``, PyYAML and pytest (tiktoken where installed), not
+MLflow, Optuna or lm-eval: ``make gpu-check GPU_PY=python3`` on a machine without network.
+``--dry-run`` prints the stage's plan in one line and fails when it exceeds the budget (CI runs
+it); ``--rehearse`` runs the stage's checks on the CPU at ``tiny`` (CUDA hidden, CPU autocast
+for the bf16 paths) so the script cannot rot between GPU sessions (``tests/test_gpu_check.py``).
+
+MFU counts 6 FLOPs per active matmul parameter per token plus attention's ``12 * L * H * D * T``
+(PaLM's count) against the GPU's dense bf16 peak by its name (:data:`PEAK_TFLOPS`;
+``GPU_PEAK_TFLOPS`` overrides it).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,61 +44,86 @@ from pathlib import Path
 import torch
 
 from experiments.config import RunConfig
-from experiments.experts import expert_counts, group_align, grouped_swiglu, looped_swiglu
-from experiments.moe import MoEFFN, choose_experts_path
-from sweep.run.quiet import quiet_lightning
+from tools import gpu_plan
 
-#: Dense bf16 peak TFLOP/s by device-name fragment (vendor data sheets, SXM parts).
-PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.1, "A10G": 70.0, "4090": 165.2}
+#: Dense bf16 peak TFLOP/s by a fragment of ``torch.cuda.get_device_name()``, the first that
+#: matches (NVIDIA's data sheets give them with sparsity: halved here; docs/performance.md).
+PEAK_TFLOPS = (
+    ("H100 NVL", 835.5), ("H100 PCIe", 756.5), ("H100", 989.4),
+    ("H200 NVL", 835.5), ("H200", 989.4), ("A100", 312.0), ("L40S", 362.05),
+)  # fmt: skip
+#: Seconds a stage may take unless ``--budget`` says otherwise: 6 of a lease's minutes.
+DEFAULT_BUDGET = 360.0
 #: The test files that hold the GPU tests; each imports only torch, Lightning and experiments.
 GPU_TEST_FILES = ("tests/test_experts.py", "tests/test_gpu.py")
 
 
-def peak_flops() -> float | None:
-    """The GPU's dense bf16 peak in FLOP/s, or None where unknown."""
+def peak_flops(name: str | None = None) -> float | None:
+    """The dense bf16 peak in FLOP/s of the GPU called ``name`` (default: this one), or None."""
     if os.environ.get("GPU_PEAK_TFLOPS"):
         return float(os.environ["GPU_PEAK_TFLOPS"]) * 1e12
-    if not torch.cuda.is_available():
+    if name is None and not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name()
-    return next((v * 1e12 for k, v in PEAK_TFLOPS.items() if k in name), None)
+    name = name or torch.cuda.get_device_name()
+    return next((v * 1e12 for k, v in PEAK_TFLOPS if k in name), None)
 
 
 def flops_per_token(cfg: RunConfig) -> float:
-    """Training FLOPs per token: 6 per active parameter (embedding lookups excluded), plus attention
-    scores and values, ``12 * L * H * D * T``."""
+    """Training FLOPs per token: 6 per active parameter, the input embedding left out (a lookup;
+    tied to the LM head, its one matrix is the head's matmul and stays), plus attention's
+    ``12 * L * H * D * T``."""
     m = cfg.model
     _, active = m.param_counts()
-    active -= m.vocab_size * m.d_model  # the input embedding is a lookup, not a matmul
+    if not m.tie_embeddings:
+        active -= m.vocab_size * m.d_model
     return 6 * active + 12 * m.n_layers * m.n_heads * m.head_dim * cfg.train.seq_len
 
 
 class Report:
-    """The check lines and the figures table, printed as they come and written at the end."""
+    """The check lines and the figures, printed and written to ``path`` as each comes, against a
+    budget of ``budget`` seconds from now."""
 
-    def __init__(self, header: str, path: Path, skip: set[str]) -> None:
+    def __init__(self, header: str, path: Path, budget: float, skip: set[str]) -> None:
         self.lines, self.figures, self.path, self.skip = [header], [("figure", "value")], path, skip
+        self.start, self.budget = time.time(), budget
         print(header, flush=True)
+        self.write()
 
-    def check(self, name: str, fn: Callable[[], str]) -> bool:
-        """Run one check (unless ``--skip`` names it); print ``ok``/``FAIL`` with what it found and
-        its seconds; rewrite the report."""
-        if name in self.skip:
-            self.lines.append(f"[skipped] {name}")
+    @property
+    def left(self) -> float:
+        """Seconds of the budget left."""
+        return self.budget - (time.time() - self.start)
+
+    @property
+    def deadline(self) -> float:
+        """The budget's end, ``time.time()``'s clock."""
+        return self.start + self.budget
+
+    def check(self, name: str, planned: float, fn: Callable[[], str]) -> bool:
+        """Run one check unless ``--skip`` names it or its ``planned`` seconds exceed the budget
+        left (one line either way); print ``ok``/``FAIL`` with what it found and its seconds."""
+        if name in self.skip or planned > self.left:
+            left = f"planned {planned:.0f} s, {max(0, self.left):.0f} s of the budget left (--budget)"
+            self.line(f"[skipped] {name}: {'--skip' if name in self.skip else left}")
             return True
-        start = time.perf_counter()
+        start, ok = time.perf_counter(), True
         try:
-            detail, ok = fn(), True
+            detail = fn()
         except Exception as err:  # a check that breaks is a finding, and the others still run
             detail, ok = f"{type(err).__name__}: {str(err)[:400]}", False
-        line = f"[{'ok' if ok else 'FAIL'}] {name} ({time.perf_counter() - start:.0f} s): {detail}"
-        print(line, flush=True)
-        self.lines.append(line)
-        self.write()
+        seconds = time.perf_counter() - start
+        self.line(f"[{'ok' if ok else 'FAIL'}] {name} ({seconds:.0f} s, planned {planned:.0f}): {detail}")
         return ok
 
+    def line(self, text: str) -> None:
+        print(text, flush=True)
+        self.lines.append(text)
+        self.write()
+
     def figure(self, name: str, value: str) -> None:
+        """One figure, written to the report at once."""
         self.figures.append((name, value))
+        self.write()
 
     def write(self) -> None:
         table = [f"| {a} | {b} |" for a, b in self.figures]
@@ -108,151 +136,145 @@ class Report:
 def gpu_tests() -> str:
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *GPU_TEST_FILES],
-        capture_output=True,
-        text=True,
-    )
+        capture_output=True, text=True,
+    )  # fmt: skip
     last = (done.stdout.strip().splitlines() or ["no output"])[-1]
     if done.returncode not in (0, 5):  # 5: no test collected
         raise RuntimeError(f"{last} {done.stderr.strip()[-300:]}")
     return last
 
 
-def expert_kernels(device: str, report: Report) -> str:
-    """``small``'s MoE layer (d 512, 128 experts of 192, top-8) on 4,096 tokens (256 on a CPU),
-    routed by a random router (unbalanced, unaligned counts): grouped against the loop, forward
-    and backward."""
-    torch.manual_seed(0)
-    moe = MoEFFN(512, 128, 8, 192).to(device)
-    x = torch.randn(4096 if device == "cuda" else 256, 512, device=device)
-    flat = x.reshape(-1, 512)
-    experts = moe.router(flat).topk(8).indices.flatten()
-    order = experts.argsort(stable=True)
-    sorted_experts = experts.index_select(0, order)
-    counts = expert_counts(experts, 128)
-    grouped = flat.repeat_interleave(8, dim=0).index_select(0, order)
-    scale = torch.rand(grouped.shape[0], 1, device=device)
-    out = []
-    layer = (counts, scale, moe.w_gate_up, moe.w_down, sorted_experts)
-    for dtype in (torch.bfloat16, torch.float32):
-        results, seconds = [], []
-        for path in ("grouped", "loop"):
-            _experts_once(path, grouped, layer, dtype, device)  # a warm-up: kernels load, memory settles
-            took, result = _experts_once(path, grouped, layer, dtype, device)
-            seconds.append(took)
-            results.append(result)
-        worst = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(*results))
-        tolerance = 3e-2 if dtype == torch.bfloat16 else 1e-4
-        if not worst <= tolerance:
-            raise AssertionError(f"{dtype}: grouped against loop off by {worst:.1e} (relative)")
-        name = str(dtype).removeprefix("torch.")
-        ms = f"{seconds[0] * 1e3:.1f} / {seconds[1] * 1e3:.1f}"
-        report.figure(f"experts fwd+bwd, {name}: grouped / loop (ms)", ms)
-        out.append(f"{name} within {worst:.1e}")
-    path = choose_experts_path(moe, torch.device(device), torch.bfloat16)
-    report.figure("experts path (bf16)", path)
-    return f"path {path}; grouped equals the loop forward and backward: {', '.join(out)}"
+def count_gpu_tests() -> int:
+    """The tests ``pytest -m gpu`` collects from :data:`GPU_TEST_FILES` (on any machine)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+         *GPU_TEST_FILES], capture_output=True, text=True,
+    )  # fmt: skip
+    return sum("::" in line for line in done.stdout.splitlines())
 
 
-def _experts_once(
-    path: str, grouped: torch.Tensor, layer: tuple, dtype: torch.dtype, device: str
-) -> tuple[float, list[torch.Tensor]]:
-    """One forward and backward of the experts by ``path``: its seconds, its output and gradients."""
-    counts, scale, w_gate_up, w_down, sorted_experts = layer
-    leaves = [t.detach().to(dtype).clone().requires_grad_() for t in (grouped, w_gate_up, w_down)]
-    if device == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    if path == "grouped":
-        align = group_align(torch.device(device))
-        y = grouped_swiglu(leaves[0], counts, scale.to(dtype), leaves[1], leaves[2], sorted_experts, align)
-    else:
-        y = looped_swiglu(leaves[0], counts, scale.to(dtype), leaves[1], leaves[2])
-    y.float().square().mean().backward()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start, [y.detach().float(), *(t.grad.float() for t in leaves)]
+def packing(scale: str, counts: tuple[int, ...], report: Report, rehearse: bool) -> Callable[[int], str]:
+    """A check per packed count: that many baseline cells at once, each in its own process (as
+    ``CELLS_PER_GPU`` workers are), meeting at a file barrier after their compile and warm-up;
+    tokens/s of each over its window, their sum, how much the windows overlap, peak memory."""
+    warmup, window = (2, 4) if rehearse else (gpu_plan.PACK_WARMUP, gpu_plan.PACK_WINDOW)
+
+    def run(count: int) -> str:
+        with tempfile.TemporaryDirectory() as tmp:
+            outs = [Path(tmp) / f"cell{i}.json" for i in range(count)]
+            command = [sys.executable, "-m", "tools.gpu_check", "--cell"]
+            args = [f"baseline,{scale},{i},{count},{tmp},{warmup},{window},{o}" for i, o in enumerate(outs)]
+            procs = [subprocess.Popen([*command, a]) for a in args]
+            if any(proc.wait() != 0 for proc in procs):
+                raise RuntimeError(f"a packed cell failed ({count} at once)")
+            cells = [json.loads(o.read_text()) for o in outs]
+        together = min(c["end"] for c in cells) - max(c["start"] for c in cells)
+        overlap = together / max(c["end"] - c["start"] for c in cells)
+        each = ", ".join(f"{c['window_tokens_per_s']:,.0f}" for c in cells)
+        total = sum(c["window_tokens_per_s"] for c in cells)
+        name = f"{count} baseline cells on one GPU"
+        report.figure(
+            f"{name}: tokens/s each; in all; windows overlapping", f"{each}; {total:,.0f}; {overlap:.0%}"
+        )
+        peak = max(c["peak_gib"] for c in cells), max(c["reserved_gib"] for c in cells)
+        report.figure(f"{name}: peak GiB allocated, reserved (the largest)", f"{peak[0]:.1f}, {peak[1]:.1f}")
+        return (
+            f"{total:,.0f} tok/s in all ({each}), windows overlapping {overlap:.0%}, {peak[0]:.1f} GiB each"
+        )
+
+    return run
 
 
-def routing(device: str, report: Report) -> str:
-    torch.manual_seed(1)
-    moe = MoEFFN(512, 128, 8, 192).to(device)
-    x = torch.randn(8192, 512, device=device)
-    with torch.no_grad():
-        fp32 = moe.router(x).topk(8).indices.sort(-1).values
-        rounded = (x.bfloat16() @ moe.router.weight.bfloat16().T).float().topk(8).indices.sort(-1).values
-        with torch.autocast(device, dtype=torch.bfloat16):
-            moe(x)
-    moved = float((rounded != fp32).any(-1).float().mean())
-    layer = expert_counts(fp32.flatten(), 128).float()
-    if not torch.equal(moe.stats.load, layer):
-        raise AssertionError("the layer's routing under autocast differs from fp32 routing")
-    report.figure("tokens a bf16 router would route elsewhere", f"{moved:.1%}")
-    return f"a bf16 router would move {moved:.1%} of the tokens' top-8 sets; the layer routes in fp32"
+def plan_line(stage: int, budget: float) -> tuple[str, bool]:
+    """The stage's plan in one line, and whether it fits the budget."""
+    seconds = gpu_plan.planned(stage, count_gpu_tests() if stage == 2 else 0)
+    return f"planned on one H100: {seconds:.0f} s of a {budget:.0f} s budget", seconds <= budget
 
 
 def main(argv: list[str] | None = None) -> int:
     from sweep.cli_parser import OneLineParser, whole  # a bad value: one line, exit 2
 
     p = OneLineParser(prog="python -m tools.gpu_check", description=__doc__.splitlines()[0])
-    p.add_argument("--dry-run", action="store_true", help="CPU, scale tiny, a few steps: check the script")
-    p.add_argument("--steps", type=whole(1), default=None, help="steps a small cell (default 200; dry run 6)")
-    p.add_argument("--report", default="results/gpu_check.md", help="the report file (markdown)")
+    p.add_argument("--stage", type=int, choices=(1, 2, 3), default=1, help="which checks (module docstring)")
+    p.add_argument("--budget", type=whole(1), default=None, help="seconds the stage may take (default 360)")
+    p.add_argument(
+        "--dry-run", action="store_true", help="print the stage's plan in one line; fail over budget"
+    )
+    p.add_argument(
+        "--rehearse", action="store_true", help="run the stage on the CPU at tiny: check the script"
+    )
+    p.add_argument("--report", default=None, help="the report file (default results/gpu_check[_stageN].md)")
     p.add_argument("--skip", default="", help="comma-separated check names to leave out")
-    p.add_argument("--cell", default=None, help=argparse.SUPPRESS)  # one packed cell: row,scale,steps,json
+    p.add_argument("--cell", default=None, help=argparse.SUPPRESS)  # one packed cell's arguments
     args = p.parse_args(argv)
-    if args.dry_run:  # the CPU, even on a GPU machine: the script's check, not the GPU's
+    if args.dry_run:
+        line, fits = plan_line(args.stage, args.budget or DEFAULT_BUDGET)
+        print(line)
+        return 0 if fits else 1
+    if args.rehearse:  # the CPU, even on a GPU machine: the script's check, not the GPU's
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    from sweep.run.quiet import quiet_lightning
+
     quiet_lightning()
-    from tools.gpu_cells import cell_speed, micro_syncs, offline_cell, speed_lines
-
     if args.cell:
-        row, scale, steps, out = args.cell.split(",")
-        Path(out).write_text(json.dumps(cell_speed(offline_cell(row, scale, int(steps)))))
+        from tools.gpu_cells import packed_cell
+
+        row, scale, index, count, folder, warmup, window, out = args.cell.split(",")
+        got = packed_cell(row, scale, Path(folder), int(index), int(count), int(warmup), int(window))
+        Path(out).write_text(json.dumps(got))
         return 0
-    if not args.dry_run and not torch.cuda.is_available():
-        print("error: no CUDA device (use --dry-run to check the script on the CPU)", file=sys.stderr)
+    if not args.rehearse and not torch.cuda.is_available():
+        print("error: no CUDA device (--rehearse checks the script on the CPU)", file=sys.stderr)
         return 2
-    device = "cpu" if args.dry_run else "cuda"
-    scale, steps = ("tiny", args.steps or 6) if args.dry_run else ("small", args.steps or 200)
-    where = "CPU (dry run, CPU autocast for bf16)" if args.dry_run else torch.cuda.get_device_name()
-    header = f"gpu-check on {where}, torch {torch.__version__}, CUDA {torch.version.cuda}"
-    report = Report(header, Path(args.report), {s for s in args.skip.split(",") if s})
+    return run_stage(args)
+
+
+def run_stage(args: argparse.Namespace) -> int:
+    """The checks of ``args.stage``, each against the budget left."""
+    from tools.gpu_cells import micro_syncs, speed_cell
+    from tools.gpu_kernels import expert_kernels, routing
+
+    device, rehearse = ("cpu", True) if args.rehearse else ("cuda", False)
+    scale = "tiny" if rehearse else "small"
+    steps = 8 if rehearse else gpu_plan.SMALL_STEPS
+    default = "results/gpu_check.md" if args.stage == 1 else f"results/gpu_check_stage{args.stage}.md"
+    budget = args.budget or (
+        float("inf") if rehearse else DEFAULT_BUDGET
+    )  # the plan is an H100's, not a CPU's
+    where = "CPU (rehearsal, CPU autocast for bf16)" if rehearse else torch.cuda.get_device_name()
+    tests = count_gpu_tests() if args.stage == 2 else 0
+    plan = f"planned on one H100 {gpu_plan.planned(args.stage, tests):.0f} s of a {budget:.0f} s budget"
+    if budget == float("inf"):
+        plan = "no budget (a rehearsal's CPU is not the plan's H100)"
+    header = f"gpu-check stage {args.stage} on {where}, torch {torch.__version__}, CUDA {torch.version.cuda}"
+    header = f"{header}: {plan}"
+    report = Report(header, Path(args.report or default), budget, {s for s in args.skip.split(",") if s})
+    planned = {c.name: c.seconds for c in gpu_plan.checks(tests)}
     peak = peak_flops()
-    results = [
-        args.dry_run or report.check("GPU tests", gpu_tests),
-        report.check("expert kernels", lambda: expert_kernels(device, report)),
-        report.check("routing", lambda: routing(device, report)),
-        report.check("cell path, micro", lambda: micro_syncs(report)),
-        report.check(f"{scale}, one cell", lambda: speed_lines(scale, steps, report, peak, flops_per_token)),
-        report.check("packing cells on one GPU", lambda: packing(scale, steps, report, args.dry_run)),
-    ]
-    print(f"report: {args.report}")
+
+    def cell(row: str, n: int, compile: bool | None) -> Callable[[], str]:
+        compile = False if rehearse else compile  # compiling on 2 CPU cores takes minutes
+        return lambda: speed_cell(row, scale, n, compile, report, peak, flops_per_token, report.deadline)
+
+    runs = {
+        "expert kernels": lambda: expert_kernels(device, report),
+        "routing": lambda: routing(device, report),
+        "host syncs, micro cell": lambda: micro_syncs(report),
+        "small, compiled": cell("baseline", steps, True),
+        "small, eager": cell("baseline", steps, False),
+        "GPU tests": gpu_tests,
+        "small G1, compiled": cell("sdpa_elementwise", 2 * steps, True),
+    }
+    pack = packing(scale, (2, 3), report, rehearse)
+    results = []
+    for check in gpu_plan.checks(tests):
+        if check.stage != args.stage:
+            continue
+        count = int(check.name.split()[0]) if "packed" in check.name else 0
+        fn = runs.get(check.name) or (lambda n=count: pack(n))
+        results.append(report.check(check.name, planned[check.name], fn))
+    report.line(f"report: {report.path} ({time.time() - report.start:.0f} s)")
     return 0 if all(results) else 1
-
-
-def packing(scale: str, steps: int, report: Report, dry_run: bool) -> str:
-    """2 and 3 baseline cells at once, each in its own process (as CELLS_PER_GPU workers are);
-    only 2 in a dry run. Tokens/s over the time all of them trained at once, past each one's first
-    window (start-up, compiling): their checks' clocks give each one's steps in that span."""
-    import tempfile
-
-    from tools.gpu_cells import overlap_tokens_per_s
-
-    lines, command = [], [sys.executable, "-m", "tools.gpu_check", "--cell"]
-    for count in (2,) if dry_run else (2, 3):
-        with tempfile.TemporaryDirectory() as tmp:
-            outs = [Path(tmp) / f"cell{i}.json" for i in range(count)]
-            procs = [subprocess.Popen([*command, f"baseline,{scale},{steps},{o}"]) for o in outs]
-            if any(proc.wait() != 0 for proc in procs):
-                raise RuntimeError(f"a packed cell failed ({count} at once)")
-            cells = [json.loads(o.read_text()) for o in outs]
-        total, seconds = overlap_tokens_per_s(cells)
-        peak = max(c["peak_gib"] for c in cells)
-        reserved = max(c["reserved_gib"] for c in cells)
-        what = f"{count} baseline cells on one GPU: tokens/s together ({seconds:.0f} s), peak GiB each"
-        report.figure(what, f"{total:,.0f}, {peak:.1f} allocated, {reserved:.1f} reserved")
-        lines.append(f"{count} cells {total:,.0f} tok/s over {seconds:.0f} s together, {peak:.1f} GiB each")
-    return "; ".join(lines)
 
 
 if __name__ == "__main__":

@@ -215,7 +215,9 @@ def train_tracked(
 class StopOnRequest(pl.Callback):
     """Before each training step: if ``request`` holds a signal, save the full training state to
     ``folder/step<N>.ckpt`` and raise :class:`Interrupted`. Under DDP every rank stops at the
-    same step (any rank's signal stops all: the others would wait in the step's all-reduce).
+    same step (any rank's signal stops all: the others would wait in the step's all-reduce): the
+    ranks share the signals they hold at each check (every ``train.log_every`` steps, where the
+    step reads its figures anyway) and stop at the start of the step after it.
 
     Args:
         request: the process's :class:`StopRequest`.
@@ -224,9 +226,14 @@ class StopOnRequest(pl.Callback):
 
     def __init__(self, request: StopRequest, folder: Path) -> None:
         self.request, self.folder = request, folder
+        self._shared = 0  # the signal any rank held at the last check (several ranks)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.request.reclaim()
+        # Lightning 2.5+ broadcasts its own SIGTERM flag from rank 0 and reads it every step, a
+        # host sync each under NCCL (Lightning issue 21487); with our handler back that flag is
+        # never set, and the ranks share ours at the checks (on_before_optimizer_step).
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.request.reclaim()  # the final trainer.validate() registers Lightning's handler again
@@ -238,12 +245,19 @@ class StopOnRequest(pl.Callback):
         # between a step's micro-batches: their gradients would be lost, the resume misaligned.
         if batch_idx % trainer.accumulate_grad_batches:
             return
-        signum = self.request.signum or 0
-        if trainer.world_size > 1:  # an all-reduce of one number a step: the signal any rank saw
-            seen = torch.tensor(signum, device=trainer.strategy.root_device)
-            signum = int(trainer.strategy.reduce(seen, reduce_op="max"))
+        signum = (self.request.signum or 0) if trainer.world_size == 1 else self._shared
         if not signum:
             return
         path = self.folder / step_checkpoint_name(trainer.global_step)
         save_at_step_start(trainer, path)
         raise Interrupted(signum, trainer.global_step, path)
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: object
+    ) -> None:
+        # Several ranks: an all-reduce and a host read, only at a check (between checks a step
+        # never waits for the GPU); Lightning's strategy.reduce would add a barrier.
+        if trainer.world_size > 1 and pl_module.check_due():
+            seen = torch.tensor(self.request.signum or 0, device=trainer.strategy.root_device)
+            torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MAX)
+            self._shared = int(seen)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from experiments.config import DataConfig
+from experiments.config import DataConfig, embedding_rows
 from experiments.corpus import Corpus, build_corpus
 from experiments.corpus.documents import hub_snapshot, open_hub, preflight
 from experiments.data import disjoint_windows
@@ -59,12 +59,22 @@ def check_fits(grid: Grid, cells: list[Cell], corpus: Corpus) -> None:
                     cell.row.id,
                     "train.max_steps",
                 )
+        origin = corpus.manifest["tokenizer"].get("pretrained", corpus.root / "tokenizer.json")
         if cell.config.model.vocab_size < corpus.vocab_size:
-            origin = corpus.manifest["tokenizer"].get("pretrained", corpus.root / "tokenizer.json")
             raise GridError(
                 grid.file,
                 f"{cell.config.model.vocab_size} cannot hold the {corpus.vocab_size} token ids of the "
                 f"tokenizer {origin}; set model.vocab_size to at least {corpus.vocab_size}",
+                cell.row.id,
+                "model.vocab_size",
+            )
+        most = embedding_rows(corpus.vocab_size)
+        if cell.config.data.synthetic is None and cell.config.model.vocab_size > most:  # a tokenizer's
+            raise GridError(
+                grid.file,
+                f"{cell.config.model.vocab_size} rows for the {corpus.vocab_size} token ids of the tokenizer "
+                f"{origin}: no token would ever train the rows past {most}; set model.vocab_size to "
+                f"{corpus.vocab_size}-{most}",
                 cell.row.id,
                 "model.vocab_size",
             )

@@ -23,24 +23,46 @@ class GpuLayoutError(ValueError):
     """The cells need more GPUs per worker than this machine shows."""
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on: its affinity (``taskset``, a container's or a SLURM
+    job's cpuset), not the machine's count."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
+def cuda_entries(named: str) -> list[str]:
+    """The entries of a ``CUDA_VISIBLE_DEVICES`` value that CUDA reads: in order, up to the first
+    invalid one, which CUDA ignores with every entry after it (``0,-1,2`` shows GPU 0 only). An
+    entry is valid as a non-negative index or a ``GPU-``/``MIG-`` UUID."""
+    entries = []
+    for entry in (e.strip() for e in named.split(",")):
+        if not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))):
+            break
+        entries.append(entry)
+    return entries
+
+
 def visible_gpus() -> list[str]:
-    """The GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` names them (its entries when
-    set, else ``0 .. n-1``); [] without CUDA. Asks torch only when the variable is unset."""
-    named = os.environ.get(VISIBLE)
-    if named is not None:
-        return [g.strip() for g in named.split(",") if g.strip() and g.strip() != "-1"]
+    """The GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` names them (the entries CUDA
+    reads, :func:`cuda_entries`, as many as torch counts), else ``0 .. n-1``; [] where torch sees
+    no CUDA device, whatever the variable says (a CPU machine with ``CUDA_VISIBLE_DEVICES=0``)."""
     import torch
 
-    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not count:
+        return []
+    named = os.environ.get(VISIBLE)
+    return [str(i) for i in range(count)] if named is None else cuda_entries(named)[:count]
 
 
 def auto_workers(devices_per_cell: int, cells_per_gpu: int, gpus: list[str] | None = None) -> int:
     """``WORKERS=auto``: on a GPU machine, ``cells_per_gpu`` workers per group of
-    ``devices_per_cell`` GPUs; elsewhere one single-threaded worker per CPU core (the fastest
-    way measured on 2 cores)."""
+    ``devices_per_cell`` GPUs; elsewhere one single-threaded worker per usable CPU core
+    (:func:`usable_cores`; the fastest way measured on 2 cores)."""
     gpus = visible_gpus() if gpus is None else gpus
     if not gpus:
-        return os.cpu_count() or 1
+        return usable_cores()
     return max(1, len(gpus) // devices_per_cell) * cells_per_gpu
 
 
