@@ -6,7 +6,9 @@ import ...``); ``conftest.py`` holds only pytest's hooks and fixtures."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -24,7 +26,7 @@ from mlflow.entities import ViewType
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from experiments import names as N
-from experiments.config import DataConfig, ModelConfig, MoEConfig, TrainConfig
+from experiments.config import DataConfig, ModelConfig, MoEConfig, TrainConfig, from_dict
 from experiments.lm_wrapper import GatedAttnLM
 from experiments.model import GatedLM
 from sweep.cli import main
@@ -304,3 +306,29 @@ def runs_of(results: Path, row: str) -> list:
     client = client_for(results)
     exp = client.get_experiment_by_name("micro-tiny")
     return client.search_runs([exp.experiment_id], f"tags.kind = 'cell' and tags.row = '{row}'")
+
+
+#: the words of the corpus tests' made-up documents
+WORDS = "the of and to a in that is was he for it with as his on be at by this had not are but from".split()
+
+
+def word_docs(seed: int, n: int) -> list[str]:
+    """``n`` distinct documents of 30-80 words from :data:`WORDS`, the same for the same ``seed``."""
+    rng = random.Random(seed)
+    return [
+        f"doc {seed}-{i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(30, 80)))
+        for i in range(n)
+    ]
+
+
+def write_jsonl(path: Path, texts: list[str]) -> Path:
+    """``texts`` as a JSON-lines file of ``{"text": ...}`` rows at ``path`` (its folder made)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path
+
+
+def files_recipe(sources: list, **extra) -> DataConfig:
+    """A corpus recipe of ``sources`` with a 300-id BPE and 20 % validation and test splits."""
+    recipe = {"vocab_size": 300, "val_fraction": 0.2, "test_fraction": 0.2, "sources": sources, **extra}
+    return from_dict(DataConfig, recipe)

@@ -193,8 +193,19 @@ def test_a_streamed_corpus_is_byte_identical_whichever_encodes_it(
     assert fast.manifest["tokens"] == slow.manifest["tokens"]
 
 
-def test_a_mismatch_on_the_probes_rebuilds_with_tokenizers_after_one_line(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("probes_agree", "said"),
+    [
+        (False, "encoding with HF tokenizers, not tiktoken: they differ on '<|endoftext|>'"),
+        # a fault the probes do not show is caught on the build's own documents
+        (
+            True,
+            "tiktoken and tokenizers differ on document 0 of the build; encoding with HF tokenizers instead",
+        ),
+    ],
+)
+def test_a_mismatch_rebuilds_with_tokenizers_after_one_line(
+    probes_agree: bool, said: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cfg = _files_recipe(tmp_path)
     honest = E.TiktokenEncoder.encode
@@ -204,30 +215,10 @@ def test_a_mismatch_on_the_probes_rebuilds_with_tokenizers_after_one_line(
         return (flat + 1) % 500, lengths
 
     monkeypatch.setattr(E.TiktokenEncoder, "encode", off_by_one)
+    if probes_agree:
+        monkeypatch.setattr(E, "_first_difference", lambda *_: None)
     fast, slow, lines = _both(cfg, tmp_path, monkeypatch)
-    assert [line.split(": ", 1)[1] for line in lines if "differ" in line] == [
-        "encoding with HF tokenizers, not tiktoken: they differ on '<|endoftext|>'"
-    ]
-    assert _token_files(fast) == _token_files(slow)
-
-
-def test_a_sampled_mismatch_rebuilds_with_tokenizers_after_one_line(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A fault the probes do not show is caught on the build's own documents."""
-    cfg = _files_recipe(tmp_path)
-    honest = E.TiktokenEncoder.encode
-
-    def off_by_one(self, texts):  # type: ignore[no-untyped-def]
-        flat, lengths = honest(self, texts)
-        return (flat + 1) % 500, lengths
-
-    monkeypatch.setattr(E.TiktokenEncoder, "encode", off_by_one)
-    monkeypatch.setattr(E, "_first_difference", lambda *_: None)  # the probes agree
-    fast, slow, lines = _both(cfg, tmp_path, monkeypatch)
-    assert [line.split(": ", 1)[1] for line in lines if "differ" in line] == [
-        "tiktoken and tokenizers differ on document 0 of the build; encoding with HF tokenizers instead"
-    ]
+    assert [line.split(": ", 1)[1] for line in lines if "differ" in line] == [said]
     assert _token_files(fast) == _token_files(slow)
 
 

