@@ -114,7 +114,7 @@ def test_a_non_finite_number_is_refused_where_it_is_set(value: str, tmp_path: Pa
 
 def test_nested_aliases_cannot_hang_the_loader(tmp_path: Path) -> None:
     """ "Billion laughs": ten levels of nine aliases each would be 9^10 values to walk."""
-    lines, previous = ['a: &a ["x", "x", "x", "x", "x", "x", "x", "x", "x"]'], "a"
+    lines, previous = ["name: laughs", 'a: &a ["x", "x", "x", "x", "x", "x", "x", "x", "x"]'], "a"
     for name in "bcdefghijk":
         lines.append(f"{name}: &{name} [{', '.join(['*' + previous] * 9)}]")
         previous = name
