@@ -166,5 +166,11 @@ def gate_signature(params: dict[str, str] | GateConfig | None) -> str:
     from a :class:`GateConfig`; ``"none"`` for the ungated baseline."""
     if params is None or isinstance(params, GateConfig):
         params = flatten({"model": {"gate": to_dict(params)}})
-    gate = {k.removeprefix("model.gate."): v for k, v in params.items() if k.startswith("model.gate.")}
+    gate = _gate_fields(params)
+    if gate:  # a field added after the run was logged (static_init) is the default it trained with
+        gate = {**_gate_fields(flatten({"model": {"gate": to_dict(GateConfig())}})), **gate}
     return ",".join(f"{k}={v}" for k, v in sorted(gate.items())) or "none"
+
+
+def _gate_fields(params: dict[str, str]) -> dict[str, str]:
+    return {k.removeprefix("model.gate."): v for k, v in params.items() if k.startswith("model.gate.")}
