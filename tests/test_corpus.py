@@ -356,6 +356,19 @@ def test_concurrent_builds_share_one_corpus(fakes: dict[str, Fake], tmp_path: Pa
     assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
 
 
+def test_a_build_after_a_killed_one_clears_its_debris_and_publishes(
+    fakes: dict[str, Fake], tmp_path: Path
+) -> None:
+    # a SIGKILLed build leaves its temporary folder; the next build removes it and publishes its own
+    # (the loop over the debris once reused the flag that says an old corpus is to be replaced)
+    debris = tmp_path / f".corpus-{C.recipe_hash(CFG)}.tmp-killed"
+    debris.mkdir(parents=True)
+    (debris / "train.bin").write_bytes(b"half")
+    corpus = _build(CFG, tmp_path)
+    assert (corpus.root / "manifest.json").is_file() and not debris.exists()
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name or ".old-" in p.name] == []
+
+
 def test_publish_keeps_a_rivals_finished_corpus(tmp_path: Path) -> None:
     final, ours = tmp_path / "corpus-x", tmp_path / ".corpus-x.tmp-1"
     final.mkdir()

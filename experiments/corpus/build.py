@@ -129,8 +129,8 @@ def build_corpus(
                 f"corpus {digest}: built before repeated texts were kept once (its validation may hold "
                 "trained text); building it again"
             )
-        for stale in cache_root.glob(f".corpus-{digest}.tmp-*"):  # debris of killed builds; we hold the lock
-            shutil.rmtree(stale, ignore_errors=True)
+        for debris in cache_root.glob(f".corpus-{digest}.tmp-*"):  # of killed builds; we hold the lock
+            shutil.rmtree(debris, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".corpus-{digest}.tmp-", dir=cache_root))
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the published corpus is shared read-only data
         try:
