@@ -64,6 +64,9 @@ MAX_BYTES = 1_000_000
 #: Values a grid may hold once its aliases (``*name``) are expanded: a real grid has a few
 #: hundred; nested aliases ("billion laughs") would otherwise hang the loader.
 MAX_VALUES = 100_000
+#: Deepest nesting a grid may have: a real grid has about six levels. Checked on the composed
+#: nodes, so the refusal does not hang on Python's recursion limit, which other code may raise.
+MAX_DEPTH = 64
 
 
 def _reject_duplicate_keys(
@@ -157,6 +160,22 @@ def _unquoted(problem: str) -> str:
     return re.sub(r"[:,]\)", ")", out).strip()
 
 
+def _depth(node: yaml.Node) -> int:
+    """The deepest nesting under ``node``, each node walked once (aliases share nodes)."""
+    deepest, seen, todo = 0, set(), [(node, 1)]
+    while todo:
+        here, depth = todo.pop()
+        if id(here) in seen:
+            continue
+        seen.add(id(here))
+        deepest = max(deepest, depth)
+        if isinstance(here, yaml.SequenceNode):
+            todo.extend((child, depth + 1) for child in here.value)
+        elif isinstance(here, yaml.MappingNode):
+            todo.extend((child, depth + 1) for pair in here.value for child in pair)
+    return deepest
+
+
 def _holds_a_key(node: yaml.Node, keys: tuple[str, ...]) -> bool:
     """Whether ``node`` is a mapping with at least one of ``keys`` at its top level."""
     return isinstance(node, yaml.MappingNode) and any(
@@ -190,6 +209,8 @@ def read_yaml(file: Path, keys: tuple[str, ...] | None = None) -> Any:
         node = loader.get_single_node()
         if node is None:
             raise GridError(file, "is empty")
+        if _depth(node) > MAX_DEPTH:
+            raise RecursionError  # as composing a deeper file raises it: the same one line
         if keys is not None and not _holds_a_key(node, keys):
             shown = ", ".join(keys[:4])
             raise GridError(file, f"is not a grid: its top level holds none of a grid's keys ({shown})")

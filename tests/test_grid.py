@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -418,6 +419,23 @@ def test_yaml_python_cannot_read_is_one_line(
     assert main(["params", "--grid", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {path}: {end}") and err.count("\n") == 1
+
+
+def test_deep_nesting_is_refused_whatever_the_recursion_limit(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # torch's compiler raises Python's recursion limit for the whole process; under it PyYAML
+    # composed 600 levels and the file read "is not a grid" (CI's test-all, after the compile tests)
+    text, end = GRIDS_YAML_CANNOT_READ["deep"]
+    path = tmp_path / "grid.yaml"
+    path.write_text(text)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(100_000)
+    try:
+        assert main(["params", "--grid", str(path)]) == 2
+    finally:
+        sys.setrecursionlimit(limit)
+    assert capsys.readouterr().err == f"error: {path}: {end}\n"
 
 
 def test_unknown_paper_table_is_rejected_before_training(tmp_path: Path) -> None:
