@@ -67,6 +67,7 @@ MAX_VALUES = 100_000
 #: Deepest nesting a grid may have: a real grid has about six levels. Checked on the composed
 #: nodes, so the refusal does not hang on Python's recursion limit, which other code may raise.
 MAX_DEPTH = 64
+_TOO_DEEP = "is nested too deeply (a grid needs a few levels)"
 
 
 def _reject_duplicate_keys(
@@ -210,7 +211,7 @@ def read_yaml(file: Path, keys: tuple[str, ...] | None = None) -> Any:
         if node is None:
             raise GridError(file, "is empty")
         if _depth(node) > MAX_DEPTH:
-            raise RecursionError  # as composing a deeper file raises it: the same one line
+            raise GridError(file, _TOO_DEEP)
         if keys is not None and not _holds_a_key(node, keys):
             shown = ", ".join(keys[:4])
             raise GridError(file, f"is not a grid: its top level holds none of a grid's keys ({shown})")
@@ -224,7 +225,7 @@ def read_yaml(file: Path, keys: tuple[str, ...] | None = None) -> Any:
         problem = getattr(err, "problem", None) or type(err).__name__
         raise GridError(file, f"malformed YAML: {line}{_unquoted(problem)}") from None
     except RecursionError:  # PyYAML composes and constructs recursively
-        raise GridError(file, "is nested too deeply (a grid needs a few levels)") from None
+        raise GridError(file, _TOO_DEEP) from None
     except ValueError as err:  # a value YAML reads but Python cannot hold: an int of 5,000 digits
         first = str(err).splitlines()[0].split("; ")[0]
         raise GridError(file, f"malformed YAML: {_unquoted(first)}") from None
