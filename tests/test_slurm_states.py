@@ -148,3 +148,21 @@ def test_the_driver_reads_sacct_the_same_through_a_time_limit_requeue_and_its_fa
     ended_at = next(i for i, r in enumerate(readings) if state_of(r["sacct"], job, "sacct") == (state, code))
     assert polled == ended_at + 1
     assert last.describe() == f"{state} (exit {code}), from sacct"
+
+
+def test_the_check_releases_a_requeued_job_only_seconds_after_its_requeue() -> None:
+    """``make slurm-check`` starts a requeued job early, but never in the second slurmd revoked
+    its credential (CI's time-limit case: released 0.45 s after the requeue, "Job credential
+    revoked", the job FAILED with exit 1)."""
+    from tools.slurm_case import RELEASE_AFTER_S, due_for_release
+
+    seen: dict[str, float] = {}
+    assert due_for_release({"12": "BeginTime", "13": "Resources"}, seen, 100.0) == []
+    assert seen == {"12": 100.0}
+    assert due_for_release({"12": "BeginTime"}, seen, 100.0 + RELEASE_AFTER_S - 0.5) == []
+    assert due_for_release({"12": "BeginTime"}, seen, 100.0 + RELEASE_AFTER_S) == ["12"]
+    assert seen == {}
+    # the next requeue of the same job waits its own time again
+    assert due_for_release({"12": "BeginTime"}, seen, 300.0) == []
+    # a job started meanwhile is forgotten, so a later hold is timed from its own start
+    assert due_for_release({}, seen, 300.5) == [] and seen == {}

@@ -84,20 +84,46 @@ def job_of(run_folder: Path) -> str:
     return next(e.split(b"=", 1)[1].decode() for e in environ if e.startswith(b"SLURM_JOB_ID="))
 
 
+#: How long a requeued job waits in ``BeginTime`` before :class:`Releaser` starts it. slurmd
+#: revokes a requeued job's credential at the second it kills the run; a new run launched in that
+#: same second is refused ("Job 12 already killed, do not launch batch job") and SLURM ends the job
+#: ``FAILED`` with exit 1. CI's run of the time-limit case was released 0.45 s after its requeue
+#: and so failed; SLURM's own 120 s hold never meets this.
+RELEASE_AFTER_S = 2.0
+
+
+def due_for_release(pending: dict[str, str], seen: dict[str, float], now: float) -> list[str]:
+    """The jobs of ``pending`` (job id -> squeue's reason) held by ``BeginTime`` for
+    :data:`RELEASE_AFTER_S` or more; ``seen`` (job id -> when first seen so held) is updated in place:
+    a job seen for the first time is recorded, one no longer held or due now is forgotten."""
+    held = {job for job, reason in pending.items() if reason == "BeginTime"}
+    for job in set(seen) - held:
+        del seen[job]
+    due = []
+    for job in sorted(held):
+        first = seen.setdefault(job, now)
+        if now - first >= RELEASE_AFTER_S:
+            due.append(job)
+            del seen[job]
+    return due
+
+
 class Releaser(threading.Thread):
-    """Starts the case's requeued jobs at once instead of after SLURM's 120 s ``BeginTime``."""
+    """Starts the case's requeued jobs :data:`RELEASE_AFTER_S` after their requeue instead of
+    after SLURM's 120 s ``BeginTime``."""
 
     def __init__(self, env: dict[str, str]) -> None:
         super().__init__(daemon=True)
         self.env, self.done, self.released = env, threading.Event(), 0
 
     def run(self) -> None:
-        while not self.done.wait(1.0):
-            for line in slurm("squeue", "-h", "-t", "PD", "-o", "%i %r", env=self.env).splitlines():
-                job, _, reason = line.partition(" ")
-                if reason.strip() == "BeginTime":
-                    slurm("scontrol", "update", f"JobId={job}", "StartTime=now", env=self.env)
-                    self.released += 1
+        seen: dict[str, float] = {}
+        while not self.done.wait(0.5):
+            lines = slurm("squeue", "-h", "-t", "PD", "-o", "%i %r", env=self.env).splitlines()
+            pending = {job: reason.strip() for job, _, reason in (x.partition(" ") for x in lines)}
+            for job in due_for_release(pending, seen, time.monotonic()):
+                slurm("scontrol", "update", f"JobId={job}", "StartTime=now", env=self.env)
+                self.released += 1
 
 
 class Recorder(threading.Thread):

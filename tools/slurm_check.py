@@ -28,7 +28,8 @@ Each asserts what the docs promise: the sweep exits 0; its table has every row; 
 one finished run, every step once, with the losses of a run that never stopped (relative 1e-5;
 1e-4 for the two-node cell, against one process); an interrupted cell resumed in its own run;
 the jobs' last lines give the state ``sacct`` reports after the end. SLURM holds a requeued job
-120 s (its ``BeginTime``); the check starts such jobs at once (``scontrol update StartTime=now``).
+120 s (its ``BeginTime``); the check starts such jobs 2 s after their requeue (``scontrol update
+StartTime=now``; :data:`tools.slurm_case.RELEASE_AFTER_S` says why not sooner).
 Exit status: 0 when every case passes, 1 when one fails (a line each), 2 when the cluster cannot
 be installed or started. ``--keep`` keeps the folder (logs, stores); ``--cases`` picks cases;
 ``--record DIR`` writes every change of every job's ``scontrol`` and ``sacct`` reading, a file a
@@ -190,6 +191,17 @@ def reference_run(work: Path) -> Path:
     return results
 
 
+#: slurmctld's log lines worth printing when a case fails (a launch refused, a job killed).
+SLURM_ERRORS = re.compile(r"Killing|non-startable|revoked|Requeuing|drain|not responding|Invalid job")
+
+
+def slurm_errors(log: Path, most: int = 20) -> list[str]:
+    """The last ``most`` lines of slurmctld's ``log`` matching :data:`SLURM_ERRORS` ([] without one)."""
+    if not log.exists():
+        return []
+    return [x for x in log.read_text(errors="replace").splitlines() if SLURM_ERRORS.search(x)][-most:]
+
+
 def run_check(
     work: Path, names: list[str], out: Callable[[str], None] = print, record: Path | None = None
 ) -> int:
@@ -218,6 +230,8 @@ def run_check(
             failures += case.failures
             verdict = "FAIL" if case.failures else "ok"
             say(f"{name}: {verdict} in {time.perf_counter() - started:.0f} s{case.note and ': ' + case.note}")
+        if failures:  # CI keeps no folder: what SLURM itself refused or killed goes into the output
+            failures += [f"slurmctld said: {line}" for line in slurm_errors(cluster.log("slurmctld-own"))]
     for line in failures:
         out(f"FAIL: {line}")
     if not failures:
