@@ -114,7 +114,7 @@ class Releaser(threading.Thread):
 
     def __init__(self, env: dict[str, str]) -> None:
         super().__init__(daemon=True)
-        self.env, self.done, self.released = env, threading.Event(), 0
+        self.env, self.done = env, threading.Event()
 
     def run(self) -> None:
         seen: dict[str, float] = {}
@@ -123,7 +123,6 @@ class Releaser(threading.Thread):
             pending = {job: reason.strip() for job, _, reason in (x.partition(" ") for x in lines)}
             for job in due_for_release(pending, seen, time.monotonic()):
                 slurm("scontrol", "update", f"JobId={job}", "StartTime=now", env=self.env)
-                self.released += 1
 
 
 class Recorder(threading.Thread):

@@ -230,10 +230,11 @@ def run_check(
             failures += case.failures
             verdict = "FAIL" if case.failures else "ok"
             say(f"{name}: {verdict} in {time.perf_counter() - started:.0f} s{case.note and ': ' + case.note}")
-        if failures:  # CI keeps no folder: what SLURM itself refused or killed goes into the output
-            failures += [f"slurmctld said: {line}" for line in slurm_errors(cluster.log("slurmctld-own"))]
+        slurmctld = slurm_errors(cluster.log("slurmctld-own")) if failures else []
     for line in failures:
         out(f"FAIL: {line}")
+    for line in slurmctld:  # CI keeps no folder: what SLURM itself refused or killed goes into the output
+        out(f"slurmctld: {line}")
     if not failures:
         say(f"slurm check passed: {len(names)} cases")
     return 1 if failures else 0
